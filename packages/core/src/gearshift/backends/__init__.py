@@ -1,0 +1,1 @@
+"""Reference backends shipped with the core: rollout `hf`, train `torch`."""

@@ -1,0 +1,158 @@
+"""Rollout backend `hf`: Hugging Face `generate` with a KV cache, one full replica per rank.
+
+The reference every other rollout backend is compared with; slow, but it runs
+wherever transformers does.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable, Sequence
+
+import torch
+
+from .. import dist as gdist
+from ..mesh import MeshSpec
+from ..rollout import Rollout, RolloutEngine, RolloutError, SamplingParams
+from ..weights import WeightBucket, WeightError, WeightSpec
+from .torch_train import parse_dtype
+
+
+class HFRolloutEngine(RolloutEngine):
+    """Batched sampling with per-token logprobs; weights updated in place, no copies kept."""
+
+    def __init__(
+        self,
+        model: str,
+        *,
+        mesh: MeshSpec | None = None,
+        dtype: str = "float32",
+        device: str | None = None,
+        max_model_len: int | None = None,
+        max_batch_size: int = 64,
+    ) -> None:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        self.mesh = (mesh or MeshSpec(dp=gdist.world_size())).validate(gdist.world_size())
+        if self.mesh.dp != self.mesh.world_size:
+            raise ValueError(f"the hf rollout backend runs a full replica per rank: use mesh dp={self.mesh.world_size}")
+        self.device = torch.device(device) if device else gdist.default_device()
+        self.model = AutoModelForCausalLM.from_pretrained(str(model), dtype=parse_dtype(dtype)).to(self.device).eval()
+        self.tokenizer = AutoTokenizer.from_pretrained(str(model))
+        self.max_model_len = int(max_model_len or self.model.config.max_position_embeddings)
+        self.max_batch_size = max_batch_size
+        self._params = dict(self.model.named_parameters())
+        for p in self._params.values():
+            p.requires_grad_(False)
+        self._spec = WeightSpec.from_tensors(self._params, self.mesh)
+        self._asleep: set[str] = set()
+        self._pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
+
+    # --- generation -----------------------------------------------------------------------
+    def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams) -> list[Rollout]:
+        self.check_prompts(prompts, sampling, self.model.config.vocab_size)
+        if "weights" in self._asleep:
+            raise RolloutError("the engine's weights are asleep: call wake(['weights']) and update them first")
+        out: list[Rollout] = []
+        for start in range(0, len(prompts), self.max_batch_size):
+            chunk = [list(map(int, p)) for p in prompts[start:start + self.max_batch_size]]
+            out.extend(self._generate(chunk, sampling, start))
+        return out
+
+    @torch.no_grad()
+    def _generate(self, prompts: list[list[int]], sampling: SamplingParams, offset: int) -> list[Rollout]:
+        width = max(len(p) for p in prompts)
+        ids = torch.full((len(prompts), width), self._pad, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for i, p in enumerate(prompts):  # left padding: every row ends where generation starts
+            ids[i, width - len(p):] = torch.tensor(p)
+            mask[i, width - len(p):] = 1
+        eos = [self.tokenizer.eos_token_id, *sampling.stop_token_ids]
+        kwargs = dict(
+            input_ids=ids.to(self.device), attention_mask=mask.to(self.device),
+            max_new_tokens=min(sampling.max_tokens, self.max_model_len - width),
+            num_return_sequences=sampling.n, eos_token_id=eos, pad_token_id=self._pad,
+            output_logits=True, return_dict_in_generate=True, use_cache=True,
+        )
+        if sampling.greedy:
+            kwargs.update(do_sample=False, temperature=None, top_p=None, top_k=None)
+        else:
+            kwargs.update(do_sample=True, temperature=sampling.temperature, top_p=sampling.top_p,
+                          top_k=sampling.top_k or None)
+        if sampling.stop:
+            kwargs.update(stop_strings=list(sampling.stop), tokenizer=self.tokenizer)
+        with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
+            if sampling.seed is not None:
+                torch.manual_seed(sampling.seed)
+            result = self.model.generate(**kwargs)
+        new = result.sequences[:, width:].cpu()
+        logp = torch.log_softmax(torch.stack(result.logits, dim=1).float(), dim=-1).cpu()
+        picked = logp.gather(-1, new[:, :, None]).squeeze(-1)
+        rollouts = []
+        for row in range(new.shape[0]):
+            tokens = new[row].tolist()
+            n, reason = self._finish(tokens, set(eos), sampling.stop)
+            prompt_index = row // sampling.n
+            rollouts.append(Rollout(
+                prompts[prompt_index], tokens[:n], picked[row, :n].tolist(), reason,
+                prompt_index=offset + prompt_index, sample_index=row % sampling.n,
+                text=self.tokenizer.decode(tokens[:n], skip_special_tokens=True),
+            ))
+        return rollouts
+
+    def _finish(self, tokens: list[int], eos: set[int], stop: tuple[str, ...]) -> tuple[int, str]:
+        """Length and finish reason, found again from the tokens (finished rows are padded after)."""
+        for i, t in enumerate(tokens):
+            if t in eos:
+                return i + 1, "stop"
+            if stop:
+                text = self.tokenizer.decode(tokens[: i + 1])
+                if any(s in text for s in stop):
+                    return i + 1, "stop"
+        return len(tokens), "length"
+
+    # --- weights and memory ---------------------------------------------------------------
+    def weight_spec(self) -> WeightSpec:
+        return self._spec
+
+    @torch.no_grad()
+    def update_weights(self, buckets: Iterable[WeightBucket]) -> int:
+        if "weights" in self._asleep:
+            raise RolloutError("the engine's weights are asleep: call wake(['weights']) before updating them")
+        loaded = 0
+        for bucket in buckets:
+            self._spec.check(bucket.tensors, gdist.rank())
+            for name, tensor in bucket.items():
+                self._params[name].copy_(tensor)
+                loaded += tensor.numel() * tensor.element_size()
+        self.reset_cache()
+        return loaded
+
+    def sleep(self, tags: Sequence[str] = ("weights", "kv_cache")) -> None:
+        """Weights are dropped (the next sync refills them); generate keeps no KV cache between calls."""
+        for tag in self._tags(tags):
+            if tag == "weights" and tag not in self._asleep:
+                for p in self._params.values():
+                    p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+            self._asleep.add(tag)
+
+    def wake(self, tags: Sequence[str] = ("weights", "kv_cache")) -> None:
+        by_name = self._spec.by_name()
+        for tag in self._tags(tags):
+            if tag == "weights" and tag in self._asleep:
+                for name, p in self._params.items():
+                    p.data = torch.empty(by_name[name].shape, dtype=p.dtype, device=p.device)
+            self._asleep.discard(tag)
+
+    def reset_cache(self) -> None:
+        """`generate` builds a fresh KV cache per call: there is no prefix cache to drop."""
+
+    def resident_bytes(self) -> dict[str, int]:
+        weights = sum(p.data.numel() * p.data.element_size() for p in self._params.values())
+        return {"weights": weights, "kv_cache": 0}
+
+    def close(self) -> None:
+        self.model = None
+        self._params.clear()
+
+
+__all__ = ["HFRolloutEngine", "WeightError"]

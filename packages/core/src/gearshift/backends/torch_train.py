@@ -1,0 +1,188 @@
+"""Train backend `torch`: plain PyTorch, one process, any `AutoModelForCausalLM` from a local path.
+
+It is the reference the sharded backends are checked against, and the base
+they build on: `_parallelize` is the one hook a sharding backend replaces.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Sequence
+
+import torch
+
+from .. import dist as gdist
+from ..mesh import MeshSpec
+from ..train import TRAIN_TAGS, LossFn, PolicyOutput, TrainBatch, TrainEngine, check_tags, token_logprobs
+from ..weights import WeightSpec
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype not in DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}; use one of {sorted(DTYPES)}")
+    return DTYPES[dtype]
+
+
+def position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
+    """Positions that count only real tokens, so left and right padding give the same logits."""
+    return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+
+
+class TorchTrainEngine(TrainEngine):
+    """AdamW on one device; micro-batched steps with gradient clipping."""
+
+    def __init__(
+        self,
+        model: str,
+        *,
+        mesh: MeshSpec | None = None,
+        dtype: str = "float32",
+        device: str | None = None,
+        lr: float = 1e-5,
+        weight_decay: float = 0.0,
+        betas: Sequence[float] = (0.9, 0.999),
+        max_grad_norm: float | None = 1.0,
+        micro_batch_size: int | None = None,
+        gradient_checkpointing: bool = False,
+        seed: int = 0,
+    ) -> None:
+        from transformers import AutoModelForCausalLM
+
+        self.model_path = str(model)
+        self.mesh = (mesh or MeshSpec()).validate(gdist.world_size())
+        self._check_mesh()
+        self.device = torch.device(device) if device else gdist.default_device()
+        self.dtype = parse_dtype(dtype)
+        self.max_grad_norm = max_grad_norm
+        self.micro_batch_size = micro_batch_size
+        torch.manual_seed(seed)
+        model_ = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=self.dtype)
+        model_.config.use_cache = False
+        if gradient_checkpointing:
+            model_.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        self.model = self._parallelize(model_)
+        self.optimizer = torch.optim.AdamW(
+            [p for p in self.model.parameters() if p.requires_grad],
+            lr=lr, weight_decay=weight_decay, betas=tuple(betas),
+        )
+        self._params = dict(self.model.named_parameters())
+        self._offloaded: set[str] = set()
+
+    # --- sharding hooks -------------------------------------------------------------------
+    def _check_mesh(self) -> None:
+        if self.mesh.world_size != 1:
+            raise ValueError(f"the torch train backend runs in one process; for mesh {self.mesh} use 'fsdp'")
+
+    def _parallelize(self, model: torch.nn.Module) -> torch.nn.Module:
+        return model.to(self.device)
+
+    def _shards(self, name: str) -> dict[str, int]:
+        """{axis: dim} for how `name` is sharded on the train mesh."""
+        return {}
+
+    def _local(self, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor
+
+    def _clip_grad_norm(self) -> float:
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        norm = torch.nn.utils.clip_grad_norm_(params, self.max_grad_norm or float("inf"))
+        return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+
+    # --- interface ------------------------------------------------------------------------
+    def weight_spec(self) -> WeightSpec:
+        return WeightSpec.from_tensors(
+            {n: p for n, p in self._params.items()}, self.mesh, {n: self._shards(n) for n in self._params}
+        )
+
+    def local_weights(self, names: list[str]) -> dict[str, torch.Tensor]:
+        return {n: self._local(self._params[n].detach()) for n in names}
+
+    def _forward(self, batch: TrainBatch, with_entropy: bool) -> PolicyOutput:
+        batch = batch.to(self.device)
+        logits = self.model(
+            input_ids=batch.input_ids, attention_mask=batch.attention_mask,
+            position_ids=position_ids(batch.attention_mask), use_cache=False,
+        ).logits
+        return token_logprobs(logits, batch.input_ids, with_entropy)
+
+    @torch.no_grad()
+    def forward_logprobs(self, batch: TrainBatch, with_entropy: bool = False) -> PolicyOutput:
+        self.model.eval()
+        outs = [self._forward(mb, with_entropy) for mb in batch.micro_batches(self.micro_batch_size)]
+        return PolicyOutput(
+            torch.cat([o.logprobs for o in outs]),
+            torch.cat([o.entropy for o in outs]) if with_entropy else None,
+        )
+
+    def train_step(self, batch: TrainBatch, loss_fn: LossFn) -> dict[str, float]:
+        self.model.train()
+        self.optimizer.zero_grad(set_to_none=True)
+        totals: dict[str, float] = {}
+        for mb in batch.micro_batches(self.micro_batch_size):
+            weight = mb.size / batch.size
+            out = self._forward(mb, with_entropy=True)
+            loss, metrics = loss_fn(out, mb.to(self.device))
+            (loss * weight).backward()
+            for k, v in {"loss": float(loss.detach()), **metrics}.items():
+                totals[k] = totals.get(k, 0.0) + float(v) * weight
+        totals["grad_norm"] = self._clip_grad_norm()
+        self.optimizer.step()
+        totals["lr"] = self.optimizer.param_groups[0]["lr"]
+        return totals
+
+    def _tensors(self, tag: str):
+        if tag == "params":
+            return [p.data for p in self._params.values()], lambda i, t: setattr(list(self._params.values())[i], "data", t)
+        if tag == "grads":
+            ps = [p for p in self._params.values() if p.grad is not None]
+            return [p.grad for p in ps], lambda i, t: setattr(ps[i], "grad", t)
+        slots = [(st, k) for st in self.optimizer.state.values() for k, v in st.items() if torch.is_tensor(v)]
+        return [st[k] for st, k in slots], lambda i, t: slots[i][0].__setitem__(slots[i][1], t)
+
+    def _move(self, tags: Sequence[str], target: torch.device) -> int:
+        moved = 0
+        for tag in check_tags(tags, TRAIN_TAGS):
+            tensors, put = self._tensors(tag)
+            for i, t in enumerate(tensors):
+                if t.device == target:
+                    continue
+                pin = target.type == "cpu" and torch.cuda.is_available()
+                dst = torch.empty(t.shape, dtype=t.dtype, device=target, pin_memory=pin)
+                dst.copy_(t, non_blocking=True)
+                put(i, dst)
+                moved += t.numel() * t.element_size()
+        gdist.synchronize(self.device)
+        return moved
+
+    def offload(self, tags: Sequence[str] = TRAIN_TAGS) -> int:
+        """On a CPU device the state already lives in host memory: nothing moves, 0 bytes."""
+        return self._move(tags, torch.device("cpu"))
+
+    def onload(self, tags: Sequence[str] = TRAIN_TAGS) -> int:
+        return self._move(tags, self.device)
+
+    def save(self, path: str) -> None:
+        Path(path).mkdir(parents=True, exist_ok=True)
+        torch.save({"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict()},
+                   os.path.join(path, "train_state.pt"))
+
+    def load(self, path: str) -> None:
+        state = torch.load(os.path.join(path, "train_state.pt"), map_location=self.device, weights_only=True)
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+
+    def save_hf(self, path: str) -> None:
+        from transformers import AutoTokenizer
+
+        state = {}
+        for bucket in self.export_weights():
+            state.update((k, v.detach().cpu()) for k, v in bucket.items())
+        if gdist.rank() == 0:
+            self.model.save_pretrained(path, state_dict=state, safe_serialization=True)
+            AutoTokenizer.from_pretrained(self.model_path).save_pretrained(path)
+        gdist.barrier()

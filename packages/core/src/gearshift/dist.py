@@ -1,0 +1,59 @@
+"""Process-group helpers: rank and world size that work without torch.distributed, and hang dumps."""
+
+from __future__ import annotations
+
+import datetime
+import faulthandler
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+DEFAULT_TIMEOUT_S = float(os.environ.get("GEARSHIFT_DIST_TIMEOUT", "600"))
+
+
+def is_distributed() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def rank() -> int:
+    return dist.get_rank() if is_distributed() else 0
+
+
+def world_size() -> int:
+    return dist.get_world_size() if is_distributed() else 1
+
+
+def init(backend: str | None = None, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+    """Join the process group torchrun describes (no-op for a single plain process).
+
+    Collectives get a timeout, and a rank that is still waiting after it dumps
+    every thread's stack to stderr, so a hang names where each rank stood.
+    """
+    if is_distributed() or "WORLD_SIZE" not in os.environ:
+        return
+    if backend is None:
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if backend == "nccl":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
+    faulthandler.dump_traceback_later(timeout_s + 30, repeat=True, file=sys.stderr, exit=False)
+
+
+def barrier() -> None:
+    if is_distributed():
+        dist.barrier()
+
+
+def default_device() -> torch.device:
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def synchronize(device: torch.device | str | None = None) -> None:
+    """Wait for queued device work, so a host clock reads the time the work took."""
+    device = torch.device(device) if device is not None else default_device()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)

@@ -1,0 +1,307 @@
+"""Moving weights from the training layout to the rollout layout.
+
+`plan_reshard` works out once, from the two engines' `WeightSpec`s, which
+slice of which weight each rank sends to which rank and where the bucket
+boundaries fall. `stream_plan` then walks that list on every switch: local
+pieces are views or copies, remote ones point-to-point sends, one bucket at a
+time, so the extra memory is one bucket.
+
+Two resharders ship with the core: `stream` (the above) and `naive` (what a
+system without a resharder does: the trainer writes a full safetensors
+checkpoint and the rollout engine reloads it from that path); benchmarks
+compare against the latter.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+import time
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Callable, Iterable, Iterator, Mapping
+
+import torch
+import torch.distributed as dist
+
+from . import dist as gdist
+from .mesh import box_slices, intersect
+from .profiler import PhaseTimer, SwitchReport
+from .weights import ParamSpec, WeightBucket, WeightError, WeightSpec
+
+if TYPE_CHECKING:
+    from .rollout import RolloutEngine
+    from .train import TrainEngine
+
+DEFAULT_BUCKET_BYTES = 128 * 2**20
+
+Box = tuple[tuple[int, int], ...]
+
+
+@dataclass(frozen=True)
+class Transfer:
+    """`src` sends the region `box` (global indices) of weight `name` to `dst`; a tag orders it."""
+
+    name: str
+    src: int
+    dst: int
+    box: Box
+    tag: int
+
+
+@dataclass(frozen=True)
+class BucketPlan:
+    """Weights that travel together, and the bytes the receivers get for them in all."""
+
+    index: int
+    names: tuple[str, ...]
+    nbytes: int
+
+
+@dataclass
+class ReshardPlan:
+    """Every copy a switch makes, worked out once."""
+
+    src: WeightSpec
+    dst: WeightSpec
+    buckets: tuple[BucketPlan, ...]
+    transfers: dict[str, tuple[Transfer, ...]]
+    unused: tuple[str, ...] = ()  # source weights the receiver does not take (a value head, say)
+    _src: dict[str, ParamSpec] = field(default_factory=dict, repr=False)
+    _dst: dict[str, ParamSpec] = field(default_factory=dict, repr=False)
+
+    def __post_init__(self) -> None:
+        self._src = self.src.by_name()
+        self._dst = self.dst.by_name()
+
+    @property
+    def world_size(self) -> int:
+        return self.dst.mesh.world_size
+
+    def bytes_received(self, rank: int) -> int:
+        """Bytes that land on `rank` in its rollout layout per sync."""
+        return sum(p.dtype.itemsize * _numel(_box_shape(p.placement.local_box(p.shape, rank))) for p in self.dst)
+
+    def bytes_sent_remote(self, rank: int) -> int:
+        """Bytes `rank` sends to other ranks per sync."""
+        return sum(
+            self._dst[t.name].dtype.itemsize * _numel(_box_shape(t.box))
+            for ts in self.transfers.values() for t in ts if t.src == rank and t.dst != rank
+        )
+
+    def describe(self, rank: int = 0) -> str:
+        n_local = sum(1 for ts in self.transfers.values() for t in ts if t.src == t.dst == rank)
+        n_send = sum(1 for ts in self.transfers.values() for t in ts if t.src == rank != t.dst)
+        n_recv = sum(1 for ts in self.transfers.values() for t in ts if t.dst == rank != t.src)
+        return (
+            f"{len(self.dst)} weights in {len(self.buckets)} buckets, train {self.src.mesh} -> rollout "
+            f"{self.dst.mesh}; rank {rank}: {n_local} local copies, {n_send} sends, {n_recv} receives"
+        )
+
+
+def _numel(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def _box_shape(box: Box) -> tuple[int, ...]:
+    return tuple(hi - lo for lo, hi in box)
+
+
+def plan_reshard(src: WeightSpec, dst: WeightSpec, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> ReshardPlan:
+    """Plan moving `src` (train layout) into `dst` (rollout layout) over the same ranks."""
+    if src.mesh.world_size != dst.mesh.world_size:
+        raise WeightError(
+            f"train mesh {src.mesh} spans {src.mesh.world_size} ranks but rollout mesh {dst.mesh} spans "
+            f"{dst.mesh.world_size}: both must cover the same ranks"
+        )
+    have = src.by_name()
+    missing = [p.name for p in dst if p.name not in have]
+    if missing:
+        raise WeightError(
+            f"the rollout engine wants {len(missing)} weights the train engine does not have, "
+            f"first {missing[:3]}: are both engines loaded from the same model?"
+        )
+    for p in dst:
+        if tuple(have[p.name].shape) != tuple(p.shape):
+            raise WeightError(f"weight {p.name!r}: train shape {have[p.name].shape}, rollout shape {p.shape}")
+    world = dst.mesh.world_size
+    transfers: dict[str, tuple[Transfer, ...]] = {}
+    tag = 0
+    for p in dst:
+        s = have[p.name]
+        holders: dict[Box, list[int]] = {}
+        for r in range(world):
+            box = s.placement.local_box(s.shape, r)
+            if all(hi > lo for lo, hi in box):
+                holders.setdefault(box, []).append(r)
+        out: list[Transfer] = []
+        for d in range(world):
+            want = p.placement.local_box(p.shape, d)
+            for box, ranks in holders.items():
+                piece = intersect(box, want)
+                if piece is None:
+                    continue
+                source = d if d in ranks else ranks[d % len(ranks)]
+                out.append(Transfer(p.name, source, d, piece, tag))
+                tag += 1
+        transfers[p.name] = tuple(out)
+    buckets: list[BucketPlan] = []
+    names: list[str] = []
+    size = 0
+    for p in dst:
+        if names and size + p.nbytes > bucket_bytes:
+            buckets.append(BucketPlan(len(buckets), tuple(names), size))
+            names, size = [], 0
+        names.append(p.name)
+        size += p.nbytes
+    if names:
+        buckets.append(BucketPlan(len(buckets), tuple(names), size))
+    wanted = {p.name for p in dst}
+    unused = tuple(p.name for p in src if p.name not in wanted)
+    return ReshardPlan(src, dst, tuple(buckets), transfers, unused)
+
+
+def stream_plan(
+    plan: ReshardPlan,
+    local_weights: Callable[[list[str]], Mapping[str, torch.Tensor]],
+    rank: int | None = None,
+    group: dist.ProcessGroup | None = None,
+) -> Iterator[WeightBucket]:
+    """Yield this rank's weights in the rollout layout, bucket by bucket, running the plan's copies.
+
+    `local_weights(names)` returns this rank's shards in the train layout (views are fine).
+    A piece that is already whole and in the right dtype is passed on as is: no copy.
+    """
+    rank = gdist.rank() if rank is None else rank
+    for bucket in plan.buckets:
+        local = local_weights(list(bucket.names))
+        out: dict[str, torch.Tensor] = {}
+        ops: list[dist.P2POp] = []
+        pending: list[tuple[torch.Tensor, tuple[slice, ...], torch.Tensor]] = []
+        for name in bucket.names:
+            s, d = plan._src[name], plan._dst[name]
+            src_box = s.placement.local_box(s.shape, rank)
+            dst_box = d.placement.local_box(d.shape, rank)
+            mine = [t for t in plan.transfers[name] if t.src == rank or t.dst == rank]
+            if len(mine) == 1 and mine[0].src == mine[0].dst == rank and mine[0].box == dst_box == src_box:
+                t = local[name]
+                out[name] = t if t.dtype == d.dtype else t.to(d.dtype)
+                continue
+            out[name] = torch.empty(_box_shape(dst_box), dtype=d.dtype, device=local[name].device)
+            for t in mine:
+                if t.src == rank:
+                    piece = local[name][box_slices(t.box, src_box)]
+                    if t.dst == rank:
+                        out[name][box_slices(t.box, dst_box)] = piece
+                        continue
+                    ops.append(dist.P2POp(dist.isend, piece.to(d.dtype).contiguous(), t.dst, group, t.tag))
+                else:
+                    tmp = torch.empty(_box_shape(t.box), dtype=d.dtype, device=out[name].device)
+                    ops.append(dist.P2POp(dist.irecv, tmp, t.src, group, t.tag))
+                    pending.append((out[name], box_slices(t.box, dst_box), tmp))
+        if ops:
+            for work in dist.batch_isend_irecv(ops):
+                work.wait()
+            for buf, where, tmp in pending:
+                buf[where] = tmp
+        yield WeightBucket(out, bucket.index)
+
+
+class Resharder(ABC):
+    """Moves weights from a train engine into a rollout engine on every switch."""
+
+    def __init__(self, bucket_bytes: int = DEFAULT_BUCKET_BYTES, **options) -> None:
+        if options:
+            raise TypeError(f"{type(self).__name__} got unknown options {sorted(options)}")
+        self.bucket_bytes = int(bucket_bytes)
+
+    def plan(self, train: "TrainEngine", rollout: "RolloutEngine") -> ReshardPlan:
+        """Work out every copy once, at start-up; raises `WeightError` on mismatched weights."""
+        return plan_reshard(train.weight_spec(), rollout.weight_spec(), self.bucket_bytes)
+
+    @abstractmethod
+    def sync(self, plan: ReshardPlan, train: "TrainEngine", rollout: "RolloutEngine",
+             timer: PhaseTimer | None = None) -> SwitchReport:
+        """Make the rollout engine's weights equal the train engine's; time each phase into the report."""
+
+
+class _TimedIterator:
+    """Wraps a bucket stream, adding the time spent producing buckets and their bytes."""
+
+    def __init__(self, it: Iterable[WeightBucket]) -> None:
+        self._it = iter(it)
+        self.seconds = 0.0
+        self.bytes = 0
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> WeightBucket:
+        t0 = time.perf_counter()
+        try:
+            bucket = next(self._it)
+        finally:
+            self.seconds += time.perf_counter() - t0
+        self.bytes += bucket.nbytes
+        return bucket
+
+
+class StreamingResharder(Resharder):
+    """Runs the plan bucket by bucket straight into `rollout.update_weights`: no disk, one bucket extra."""
+
+    def sync(self, plan, train, rollout, timer=None) -> SwitchReport:
+        timer = timer or PhaseTimer(train.device, "to_rollout")
+        stream = _TimedIterator(stream_plan(plan, train.local_weights))
+        with timer.phase("sync") as total:
+            rollout.update_weights(stream)
+        timer.report.phases.remove(total)
+        # the bytes moved are those that land in the rollout engine: counted once, on load
+        timer.add("export", stream.seconds)
+        timer.add("load", max(total.seconds - stream.seconds, 0.0), stream.bytes)
+        return timer.report
+
+
+class NaiveResharder(Resharder):
+    """The file round trip: gather, write a safetensors checkpoint, reload it into the rollout engine."""
+
+    def __init__(self, bucket_bytes: int = DEFAULT_BUCKET_BYTES, directory: str | None = None, **options) -> None:
+        super().__init__(bucket_bytes, **options)
+        self.directory = directory
+
+    def sync(self, plan, train, rollout, timer=None) -> SwitchReport:
+        from safetensors.torch import load_file, save_file
+
+        timer = timer or PhaseTimer(train.device, "to_rollout")
+        rank = gdist.rank()
+        root = Path(self.directory or tempfile.gettempdir())
+        path = root / "gearshift-naive-sync" / "model.safetensors"
+        with timer.phase("save") as ph:
+            full = plan_reshard(plan.src, plan.dst.replicated(), self.bucket_bytes)
+            state: dict[str, torch.Tensor] = {}
+            for bucket in stream_plan(full, train.local_weights):
+                if rank == 0:
+                    state.update((k, v.detach().to("cpu", copy=True).contiguous()) for k, v in bucket.items())
+            if rank == 0:
+                path.parent.mkdir(parents=True, exist_ok=True)
+                save_file(state, str(path))
+                ph.bytes = os.path.getsize(path)
+            del state
+            gdist.barrier()
+        with timer.phase("load") as ph:
+            loaded = load_file(str(path), device=str(train.device) if train.device.type != "cpu" else "cpu")
+            mine = {}
+            for p in plan.dst:
+                box = p.placement.local_box(p.shape, rank)
+                mine[p.name] = loaded[p.name][box_slices(box)]
+            ph.bytes = sum(t.numel() * t.element_size() for t in mine.values())
+            rollout.update_weights([WeightBucket(mine)])
+            del loaded, mine
+            gdist.barrier()
+            if rank == 0:
+                shutil.rmtree(path.parent, ignore_errors=True)
+        return timer.report

@@ -1,0 +1,126 @@
+"""Small causal LMs and a byte-level tokenizer, built locally and saved like any Hugging Face model.
+
+Nothing is downloaded: a preset gives the shape, the weights are random (seeded),
+and the folder loads through `AutoModelForCausalLM` / `AutoTokenizer` exactly
+as a user's model would, in every engine.
+
+    path = build_model("/tmp/tiny", preset="tiny", arch="qwen2")
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|pad|>"]
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+ARCHS = ("qwen2", "llama")
+
+
+def tiny() -> dict:
+    """~0.1M parameters: unit tests and the conformance suite."""
+    return dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
+                num_key_value_heads=1, head_dim=32, max_position_embeddings=512, vocab_size=320)
+
+
+def small() -> dict:
+    """~3M parameters: the default RL job on a CPU."""
+    return dict(hidden_size=256, intermediate_size=768, num_hidden_layers=4, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=64, max_position_embeddings=512, vocab_size=320)
+
+
+def bench100m() -> dict:
+    """~110M parameters: switch-latency benchmarks on a CPU."""
+    return dict(hidden_size=768, intermediate_size=3072, num_hidden_layers=12, num_attention_heads=12,
+                num_key_value_heads=12, head_dim=64, max_position_embeddings=1024, vocab_size=32000)
+
+
+def qwen2_0_5b() -> dict:
+    """The shape of Qwen2-0.5B (random weights): GPU runs."""
+    return dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
+                num_key_value_heads=2, head_dim=64, max_position_embeddings=4096, vocab_size=151936)
+
+
+PRESETS = {"tiny": tiny, "small": small, "bench100m": bench100m, "qwen2-0.5b": qwen2_0_5b}
+
+
+def build_tokenizer(path: str | os.PathLike):
+    """A byte-level tokenizer (256 byte tokens + specials, no merges) with a chat template."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    vocab = {ch: i for i, ch in enumerate(alphabet)}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(SPECIAL_TOKENS)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, eos_token="<|endoftext|>", pad_token="<|pad|>", model_max_length=1 << 20,
+    )
+    fast.chat_template = CHAT_TEMPLATE
+    fast.save_pretrained(str(path))
+    return fast
+
+
+def _config(arch: str, shape: dict, tokenizer, dtype: str):
+    from transformers import LlamaConfig, Qwen2Config
+
+    if arch not in ARCHS:
+        raise ValueError(f"unknown architecture {arch!r}; choose from {ARCHS}")
+    if shape["vocab_size"] < len(tokenizer):
+        raise ValueError(f"vocab_size {shape['vocab_size']} is smaller than the tokenizer's {len(tokenizer)}")
+    common = dict(
+        shape, bos_token_id=tokenizer.eos_token_id, eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id, tie_word_embeddings=True, rms_norm_eps=1e-6, dtype=dtype,
+    )
+    if arch == "qwen2":
+        return Qwen2Config(**common, rope_theta=10000.0)
+    return LlamaConfig(**common)
+
+
+def build_model(path: str | os.PathLike, preset: str | dict = "tiny", arch: str = "qwen2", seed: int = 0,
+                dtype: str = "float32") -> str:
+    """Build (once; a folder with the same recipe is reused) and save a model with its tokenizer."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    shape = PRESETS[preset]() if isinstance(preset, str) else dict(preset)
+    if isinstance(preset, str) and preset not in PRESETS:
+        raise ValueError(f"unknown preset {preset!r}; choose from {sorted(PRESETS)}")
+    path = Path(path)
+    recipe = json.dumps({"shape": shape, "arch": arch, "seed": seed, "dtype": dtype, "v": 1}, sort_keys=True)
+    stamp = path / "gearshift-recipe.json"
+    if stamp.exists() and stamp.read_text() == recipe:
+        return str(path)
+    path.mkdir(parents=True, exist_ok=True)
+    tokenizer = build_tokenizer(path)
+    config = _config(arch, shape, tokenizer, dtype)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype))
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model.save_pretrained(str(path), safe_serialization=True)
+    stamp.write_text(recipe)
+    return str(path)
+
+
+def resolve_model(model: str, cache_dir: str | os.PathLike | None = None) -> str:
+    """A model path as given, or a preset name ('tiny', 'tiny-llama', 'small', ...) built on first use."""
+    if os.path.isdir(model):
+        return model
+    name, _, arch = model.partition("-llama")
+    preset, arch = (name, "llama") if _ == "-llama" else (model, "qwen2")
+    if preset not in PRESETS:
+        raise ValueError(
+            f"model {model!r} is neither a folder nor a preset; presets: "
+            f"{sorted(PRESETS)} (add '-llama' for the Llama architecture)"
+        )
+    root = Path(cache_dir or os.environ.get("GEARSHIFT_CACHE", Path.home() / ".cache" / "gearshift"))
+    digest = hashlib.sha1(model.encode()).hexdigest()[:8]
+    return build_model(root / "models" / f"{model}-{digest}", preset=preset, arch=arch)

@@ -1,0 +1,164 @@
+"""The training-engine interface: what the RL loop and the resharder ask of a trainer.
+
+Log-probabilities are aligned with the tokens: `logprobs[:, t]` is
+log p(input_ids[:, t] | input_ids[:, :t]), and position 0 holds 0. A
+`loss_mask` of 1 marks the tokens a loss is taken over (the responses).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Callable, ClassVar, Iterator, Sequence
+
+import torch
+
+from .mesh import MeshSpec
+from .reshard import DEFAULT_BUCKET_BYTES, plan_reshard, stream_plan
+from .weights import WeightBucket, WeightSpec
+
+TRAIN_TAGS = ("params", "grads", "optimizer")
+
+
+@dataclass
+class TrainBatch:
+    """Padded token sequences plus any per-sequence or per-token tensors a loss needs."""
+
+    input_ids: torch.Tensor  # [B, T] long
+    attention_mask: torch.Tensor  # [B, T]
+    loss_mask: torch.Tensor  # [B, T], 1 on trained tokens
+    extras: dict[str, torch.Tensor] = field(default_factory=dict)  # [B] or [B, T]
+
+    def __post_init__(self) -> None:
+        if self.input_ids.dim() != 2:
+            raise ValueError(f"input_ids must be [batch, tokens], got shape {tuple(self.input_ids.shape)}")
+        for name in ("attention_mask", "loss_mask"):
+            if getattr(self, name).shape != self.input_ids.shape:
+                raise ValueError(f"{name} has shape {tuple(getattr(self, name).shape)}, "
+                                 f"input_ids {tuple(self.input_ids.shape)}")
+
+    @property
+    def size(self) -> int:
+        return self.input_ids.shape[0]
+
+    def to(self, device: torch.device | str) -> "TrainBatch":
+        return TrainBatch(
+            self.input_ids.to(device), self.attention_mask.to(device), self.loss_mask.to(device),
+            {k: v.to(device) for k, v in self.extras.items()},
+        )
+
+    def select(self, index: slice | torch.Tensor) -> "TrainBatch":
+        return TrainBatch(
+            self.input_ids[index], self.attention_mask[index], self.loss_mask[index],
+            {k: v[index] for k, v in self.extras.items()},
+        )
+
+    def micro_batches(self, size: int | None) -> Iterator["TrainBatch"]:
+        size = size or self.size
+        for start in range(0, self.size, size):
+            yield self.select(slice(start, start + size))
+
+    @classmethod
+    def from_sequences(cls, prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]],
+                       pad_id: int = 0, **extras: torch.Tensor) -> "TrainBatch":
+        """Right-padded prompt+response rows, the loss mask on the response tokens."""
+        rows = [list(p) + list(r) for p, r in zip(prompts, responses)]
+        width = max(len(r) for r in rows)
+        ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+        attn = torch.zeros((len(rows), width), dtype=torch.long)
+        mask = torch.zeros((len(rows), width), dtype=torch.float32)
+        for i, (p, r) in enumerate(zip(prompts, responses)):
+            n = len(p) + len(r)
+            ids[i, :n] = torch.tensor(rows[i], dtype=torch.long)
+            attn[i, :n] = 1
+            mask[i, len(p):n] = 1
+        return cls(ids, attn, mask, dict(extras))
+
+
+@dataclass
+class PolicyOutput:
+    """Per-token log-probabilities (and entropies when asked) of a batch under the model."""
+
+    logprobs: torch.Tensor  # [B, T]
+    entropy: torch.Tensor | None = None  # [B, T]
+    values: torch.Tensor | None = None  # [B, T], engines with a value head
+
+
+LossFn = Callable[[PolicyOutput, TrainBatch], "tuple[torch.Tensor, dict[str, float]]"]
+
+
+def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor, with_entropy: bool = False) -> PolicyOutput:
+    """Log-probabilities of `input_ids` under next-token `logits` [B, T, V], aligned with the tokens."""
+    logits = logits[:, :-1].float()
+    logp = torch.log_softmax(logits, dim=-1)
+    picked = logp.gather(-1, input_ids[:, 1:, None]).squeeze(-1)
+    zero = picked.new_zeros(picked.shape[0], 1)
+    out = PolicyOutput(torch.cat([zero, picked], dim=1))
+    if with_entropy:
+        ent = -(logp.exp() * logp).sum(-1)
+        out.entropy = torch.cat([zero, ent], dim=1)
+    return out
+
+
+class TrainEngine(ABC):
+    """A trainer of one causal LM over a mesh of ranks; names of weights are Hugging Face names."""
+
+    #: distributions the engine needs ("a|b" accepts either), and how to install them
+    requires: ClassVar[tuple[str, ...]] = ()
+    install: ClassVar[str] = ""
+
+    device: torch.device
+    mesh: MeshSpec
+
+    @abstractmethod
+    def weight_spec(self) -> WeightSpec:
+        """Every trainable weight: full shape, dtype, and placement on the train mesh."""
+
+    @abstractmethod
+    def local_weights(self, names: list[str]) -> dict[str, torch.Tensor]:
+        """This rank's shards of `names` in the train layout, without communication (views are fine)."""
+
+    def export_weights(self, spec: WeightSpec | None = None,
+                       bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> Iterator[WeightBucket]:
+        """The weights in the layout `spec` asks for (default: whole on every rank), bucket by bucket."""
+        target = spec if spec is not None else self.weight_spec().replicated()
+        yield from stream_plan(plan_reshard(self.weight_spec(), target, bucket_bytes), self.local_weights)
+
+    @abstractmethod
+    def forward_logprobs(self, batch: TrainBatch, with_entropy: bool = False) -> PolicyOutput:
+        """Log-probabilities of the batch's tokens, without building a graph."""
+
+    @abstractmethod
+    def train_step(self, batch: TrainBatch, loss_fn: LossFn) -> dict[str, float]:
+        """One optimizer step over the batch (micro-batched as configured); returns metrics."""
+
+    @abstractmethod
+    def offload(self, tags: Sequence[str] = TRAIN_TAGS) -> int:
+        """Move the tagged state (params, grads, optimizer) to host memory; returns bytes moved."""
+
+    @abstractmethod
+    def onload(self, tags: Sequence[str] = TRAIN_TAGS) -> int:
+        """Bring offloaded state back bit-exactly; returns bytes moved."""
+
+    @abstractmethod
+    def save(self, path: str) -> None:
+        """Write a resumable checkpoint (model and optimizer) under the folder `path`."""
+
+    @abstractmethod
+    def load(self, path: str) -> None:
+        """Restore what `save` wrote."""
+
+    @abstractmethod
+    def save_hf(self, path: str) -> None:
+        """Write a Hugging Face folder that `AutoModelForCausalLM.from_pretrained` loads."""
+
+    def close(self) -> None:
+        """Release the engine's resources."""
+
+
+def check_tags(tags: Sequence[str], allowed: Sequence[str]) -> list[str]:
+    tags = [tags] if isinstance(tags, str) else list(tags)
+    unknown = [t for t in tags if t not in allowed]
+    if unknown:
+        raise ValueError(f"unknown tags {unknown}; use any of {list(allowed)}")
+    return tags

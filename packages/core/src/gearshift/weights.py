@@ -1,0 +1,123 @@
+"""What crosses a switch: named weights, where they live, and the buckets they travel in.
+
+Names are Hugging Face state-dict names (`model.layers.0.self_attn.q_proj.weight`)
+on both sides: an engine that stores weights differently (fused QKV, packed
+layouts) maps them on load, as vLLM's and SGLang's `load_weights` do.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Iterator, Mapping
+
+import torch
+
+from .mesh import MeshSpec, Placement
+
+
+class WeightError(ValueError):
+    """A weight name or shape that the receiving engine does not have."""
+
+
+@dataclass(frozen=True)
+class ParamSpec:
+    """One full (unsharded) weight and its placement on a mesh."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    placement: Placement
+
+    @property
+    def nbytes(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n * self.dtype.itemsize
+
+
+@dataclass(frozen=True)
+class WeightSpec:
+    """The weights one side of a switch holds (train) or wants (rollout), in order."""
+
+    mesh: MeshSpec
+    params: tuple[ParamSpec, ...]
+
+    @classmethod
+    def from_tensors(
+        cls,
+        tensors: Mapping[str, torch.Tensor],
+        mesh: MeshSpec | None = None,
+        shards: Mapping[str, Mapping[str, int]] | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> "WeightSpec":
+        """Spec for full tensors; `shards[name]` = {axis: dim} for sharded ones."""
+        mesh = mesh or MeshSpec()
+        shards = shards or {}
+        return cls(
+            mesh,
+            tuple(
+                ParamSpec(n, tuple(t.shape), dtype or t.dtype, Placement.of(mesh, shards.get(n)))
+                for n, t in tensors.items()
+            ),
+        )
+
+    def __iter__(self) -> Iterator[ParamSpec]:
+        return iter(self.params)
+
+    def __len__(self) -> int:
+        return len(self.params)
+
+    def names(self) -> list[str]:
+        return [p.name for p in self.params]
+
+    def by_name(self) -> dict[str, ParamSpec]:
+        return {p.name: p for p in self.params}
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.nbytes for p in self.params)
+
+    def replicated(self) -> "WeightSpec":
+        """The same weights, whole on every rank (what a full export gathers)."""
+        full = Placement.replicated(self.mesh)
+        return replace(self, params=tuple(replace(p, placement=full) for p in self.params))
+
+    def with_dtype(self, dtype: torch.dtype | None) -> "WeightSpec":
+        if dtype is None:
+            return self
+        return replace(self, params=tuple(replace(p, dtype=dtype) for p in self.params))
+
+    def check(self, tensors: Mapping[str, torch.Tensor], rank: int = 0) -> None:
+        """Raise `WeightError` unless every tensor is a known weight with this rank's local shape."""
+        known = self.by_name()
+        for name, tensor in tensors.items():
+            spec = known.get(name)
+            if spec is None:
+                close = [k for k in known if k.rsplit(".", 1)[-1] == name.rsplit(".", 1)[-1]][:3]
+                hint = f"; names of that kind here: {close}" if close else ""
+                raise WeightError(f"unknown weight {name!r}: this engine has {len(known)} weights{hint}")
+            want = spec.placement.local_shape(spec.shape, rank)
+            if tuple(tensor.shape) != want:
+                raise WeightError(
+                    f"weight {name!r} has shape {tuple(tensor.shape)}, expected {want} "
+                    f"(full {spec.shape}, placement {spec.placement})"
+                )
+
+
+@dataclass
+class WeightBucket:
+    """A group of weights streamed together: name -> this rank's tensor in the receiver's layout."""
+
+    tensors: dict[str, torch.Tensor] = field(default_factory=dict)
+    index: int = 0
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors.values())
+
+    def items(self):
+        return self.tensors.items()
+
+    def __len__(self) -> int:
+        return len(self.tensors)
