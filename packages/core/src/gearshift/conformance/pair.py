@@ -1,0 +1,110 @@
+"""Contracts of a (train, rollout) pair switched by `HybridActor`.
+
+Fixtures to supply: `train_engine` and `rollout_engine`, both fp32 and built
+from `gearshift_model` (any scope; tests train the engine further, and each
+test builds its own `HybridActor`, so the engines are left in train mode).
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from .. import dist as gdist
+from ..hybrid import HybridActor, ModeError
+from ..reshard import NaiveResharder, StreamingResharder, plan_reshard
+from ..rollout import SamplingParams
+from ..train import TrainBatch
+from ..weights import WeightError, WeightSpec
+from .train import fixed_batch, nll
+from .util import PROMPTS, max_logprob_diff, same_outputs
+
+SAMPLE = SamplingParams(n=2, temperature=1.0, max_tokens=8, seed=3)
+GREEDY = SamplingParams(temperature=0.0, max_tokens=8)
+
+
+def train_logprob_diff(train, rollouts) -> float:
+    """Max |rollout logprob - train logprob| over the sampled tokens."""
+    batch = TrainBatch.from_sequences([r.prompt_ids for r in rollouts], [r.token_ids for r in rollouts])
+    lp = train.forward_logprobs(batch).logprobs.cpu()
+    diff = 0.0
+    for i, r in enumerate(rollouts):
+        start = len(r.prompt_ids)
+        mine = lp[i, start:start + len(r.token_ids)]
+        diff = max(diff, float((mine - torch.tensor(r.logprobs)).abs().max()))
+    return diff
+
+
+class PairSuite:
+    """Subclass in a test module and supply `train_engine` and `rollout_engine`."""
+
+    expected_failures: dict[str, str] = {}
+    logprob_atol: float = 1e-4
+
+    @pytest.fixture
+    def actor(self, train_engine, rollout_engine):
+        actor = HybridActor(train_engine, rollout_engine)
+        yield actor
+        actor.set_mode("train")
+
+    def test_after_sync_rollout_logprobs_agree_with_training(self, actor, record_property):
+        actor.to_rollout()
+        out = actor.generate(PROMPTS, SAMPLE)
+        actor.to_train()
+        diff = train_logprob_diff(actor.train, out)
+        record_property("max_abs_logprob_diff", diff)
+        print(f"rollout vs train logprobs after sync: max abs diff {diff:.3g}")
+        assert diff <= self.logprob_atol
+
+    def test_a_train_step_reaches_the_rollout_engine(self, actor):
+        actor.to_rollout()
+        before = actor.generate(PROMPTS, GREEDY)
+        actor.to_train()
+        for _ in range(3):
+            actor.train_step(fixed_batch(), nll)
+        actor.to_rollout()
+        after = actor.generate(PROMPTS, GREEDY)
+        actor.to_train()
+        assert not same_outputs(before, after) or max_logprob_diff(before, after) > 1e-4
+        assert train_logprob_diff(actor.train, after) <= self.logprob_atol
+
+    def test_naive_and_streaming_resharders_agree(self, train_engine, rollout_engine, gearshift_shared_tmp):
+        results = []
+        for resharder in (StreamingResharder(), NaiveResharder(directory=str(gearshift_shared_tmp))):
+            actor = HybridActor(train_engine, rollout_engine, resharder)
+            report = actor.to_rollout()
+            results.append(actor.generate(PROMPTS, GREEDY))
+            actor.to_train()
+            assert report.phase("load").bytes > 0
+        assert same_outputs(*results)
+        assert max_logprob_diff(*results) == 0.0
+
+    def test_switch_report_times_every_phase(self, actor, tmp_path):
+        report = actor.to_rollout()
+        names = [p.name for p in report.phases]
+        for phase in ("wake_weights", "export", "load", "wake_kv_cache", "reset_cache"):
+            assert phase in names
+        assert report.phase("load").bytes == actor.plan.bytes_received(gdist.rank())
+        assert all(p.seconds >= 0 for p in report.phases)
+        back = actor.to_train()
+        assert back.phase("sleep") is not None
+        assert "total" in report.table()
+        report.write_json(tmp_path / "r.json")
+        assert json.loads((tmp_path / "r.json").read_text())["bytes"] == report.bytes
+        report.write_chrome_trace(tmp_path / "trace.json")
+
+    def test_mismatched_weights_fail_at_plan_time(self, train_engine, rollout_engine):
+        spec = rollout_engine.weight_spec()
+        extra = WeightSpec(spec.mesh, spec.params + (spec.params[0].__class__(
+            "model.no_such.weight", (3,), torch.float32, spec.params[0].placement),))
+        with pytest.raises(WeightError, match="does not have"):
+            plan_reshard(train_engine.weight_spec(), extra)
+
+    def test_using_the_wrong_mode_is_a_clear_error(self, actor):
+        with pytest.raises(ModeError, match="train mode"):
+            actor.generate(PROMPTS, GREEDY)
+        actor.to_rollout()
+        with pytest.raises(ModeError, match="rollout mode"):
+            actor.train_step(fixed_batch(), nll)

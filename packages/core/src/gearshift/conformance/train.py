@@ -1,0 +1,134 @@
+"""Contracts of a `TrainEngine`.
+
+Fixture to supply: `train_engine_factory`, a callable `(**options) -> TrainEngine`
+building a fresh fp32 engine from `gearshift_model` (tests change weights, so
+each builds its own). Under torchrun every rank runs the same tests in step.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ..train import PolicyOutput, TrainBatch
+from .util import PROMPTS, reference_weights
+
+RESPONSES = [[10, 20, 30, 40, 50], [60, 70, 80], [90, 100, 110, 120]]
+
+
+def fixed_batch() -> TrainBatch:
+    return TrainBatch.from_sequences(PROMPTS, RESPONSES, pad_id=0)
+
+
+def nll(out: PolicyOutput, batch: TrainBatch):
+    mask = batch.loss_mask
+    loss = -(out.logprobs * mask).sum() / mask.sum().clamp(min=1)
+    ent = float((out.entropy.detach() * mask).sum() / mask.sum()) if out.entropy is not None else 0.0
+    return loss, {"entropy": ent}
+
+
+def full_weights(engine) -> dict[str, torch.Tensor]:
+    out = {}
+    for bucket in engine.export_weights():
+        out.update((k, v.detach().cpu().clone()) for k, v in bucket.items())
+    return out
+
+
+def assert_same(a: dict, b: dict, exact: bool = True) -> None:
+    assert a.keys() == b.keys()
+    for k in a:
+        if exact:
+            assert torch.equal(a[k], b[k]), f"{k} differs (max {float((a[k] - b[k]).abs().max()):.3g})"
+        else:
+            torch.testing.assert_close(a[k], b[k], msg=k)
+
+
+class TrainEngineSuite:
+    """Subclass in a test module and supply `train_engine_factory`."""
+
+    expected_failures: dict[str, str] = {}
+    logprob_atol: float = 1e-5
+    lr: float = 1e-2
+
+    def test_forward_logprobs_match_transformers(self, train_engine_factory, gearshift_model):
+        from transformers import AutoModelForCausalLM
+
+        engine = train_engine_factory(lr=self.lr)
+        batch = fixed_batch()
+        got = engine.forward_logprobs(batch, with_entropy=True)
+        ref_model = AutoModelForCausalLM.from_pretrained(gearshift_model, dtype=torch.float32)
+        with torch.no_grad():
+            rows = []
+            for i in range(batch.size):
+                n = int(batch.attention_mask[i].sum())
+                logits = ref_model(batch.input_ids[i:i + 1, :n]).logits[0, :-1]
+                rows.append(torch.log_softmax(logits.float(), -1).gather(-1, batch.input_ids[i, 1:n, None]).squeeze(-1))
+        diff = max(float((got.logprobs[i, 1:len(r) + 1].cpu() - r).abs().max()) for i, r in enumerate(rows))
+        print(f"forward_logprobs vs transformers: max abs diff {diff:.3g}")
+        assert diff <= self.logprob_atol
+        assert got.logprobs.shape == batch.input_ids.shape and got.entropy.shape == batch.input_ids.shape
+
+    def test_train_step_lowers_loss(self, train_engine_factory):
+        engine = train_engine_factory(lr=self.lr)
+        batch = fixed_batch()
+        losses = [engine.train_step(batch, nll)["loss"] for _ in range(5)]
+        assert losses[-1] < losses[0] - 0.1, losses
+        assert all(l == l for l in losses)  # no NaN
+
+    def test_exported_weights_equal_the_model(self, train_engine_factory, gearshift_model):
+        engine = train_engine_factory(lr=self.lr)
+        spec = engine.weight_spec()
+        start = full_weights(engine)
+        assert_same(start, reference_weights(gearshift_model, spec.replicated()))
+        engine.train_step(fixed_batch(), nll)
+        after = full_weights(engine)
+        assert any(not torch.equal(start[k], after[k]) for k in start), "a train step changed no weight"
+        small = list(engine.export_weights(bucket_bytes=max(p.nbytes for p in spec)))
+        assert len(small) > 1, "a small bucket size must split the export into several buckets"
+        streamed = {k: v.cpu() for b in small for k, v in b.items()}
+        assert_same(streamed, after)
+
+    def test_offload_onload_round_trip_is_bit_exact(self, train_engine_factory):
+        a, b = train_engine_factory(lr=self.lr), train_engine_factory(lr=self.lr)
+        batch = fixed_batch()
+        a.train_step(batch, nll)
+        b.train_step(batch, nll)
+        a.offload(["params", "grads", "optimizer"])
+        a.onload(["params", "grads", "optimizer"])
+        assert_same(full_weights(a), full_weights(b))
+        a.train_step(batch, nll)  # optimizer state must have come back exactly too
+        b.train_step(batch, nll)
+        assert_same(full_weights(a), full_weights(b))
+
+    def test_save_load_round_trip(self, train_engine_factory, gearshift_shared_tmp):
+        engine = train_engine_factory(lr=self.lr)
+        batch = fixed_batch()
+        engine.train_step(batch, nll)
+        engine.save(str(gearshift_shared_tmp / "ckpt"))
+        saved = full_weights(engine)
+        next_ref = engine.train_step(batch, nll)["loss"]
+        engine.train_step(batch, nll)
+        engine.load(str(gearshift_shared_tmp / "ckpt"))
+        assert_same(full_weights(engine), saved)
+        assert engine.train_step(batch, nll)["loss"] == pytest.approx(next_ref, rel=1e-5)
+
+    def test_save_hf_loads_with_transformers(self, train_engine_factory, gearshift_shared_tmp):
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        engine = train_engine_factory(lr=self.lr)
+        engine.train_step(fixed_batch(), nll)
+        path = gearshift_shared_tmp / "hf"
+        engine.save_hf(str(path))
+        loaded = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
+        AutoTokenizer.from_pretrained(str(path))
+        mine = full_weights(engine)
+        theirs = dict(loaded.named_parameters())
+        assert_same(mine, {k: theirs[k].detach() for k in mine})
+
+    def test_bad_input_is_a_clear_error(self, train_engine_factory):
+        engine = train_engine_factory(lr=self.lr)
+        with pytest.raises(ValueError, match="unknown tags"):
+            engine.offload(["no_such_tag"])
+        with pytest.raises(ValueError, match="shape"):
+            TrainBatch(torch.zeros(2, 3, dtype=torch.long), torch.ones(2, 4), torch.ones(2, 3))
+        assert engine.forward_logprobs(fixed_batch()).logprobs.isfinite().all()
