@@ -153,6 +153,11 @@ def list_backends(kind: str | None = None) -> list[BackendInfo]:
                 rows.append(infos[0])
         for (kk, name), (package, install) in KNOWN_PACKAGES.items():
             if kk == k and name not in by_name:
+                try:
+                    md.version(package)
+                    install = f"{package} is installed but registers no {k} engine '{name}' in this version"
+                except md.PackageNotFoundError:
+                    pass
                 rows.append(BackendInfo(k, name, package, install=install))
     return rows
 

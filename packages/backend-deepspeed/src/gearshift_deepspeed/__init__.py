@@ -1,0 +1,1 @@
+"""gearshift-deepspeed: package of the DeepSpeed ZeRO train backend (no engine registered yet)."""

@@ -1,0 +1,1 @@
+"""gearshift-sglang: package of the SGLang rollout backend (no engine registered yet)."""

@@ -1,0 +1,81 @@
+import importlib.metadata as md
+
+import pytest
+from stevedore import ExtensionManager
+from stevedore.extension import Extension
+
+from gearshift import registry
+from gearshift.backends.hf_rollout import HFRolloutEngine
+from gearshift.backends.torch_train import TorchTrainEngine
+from gearshift.registry import BackendError
+
+
+@pytest.fixture(autouse=True)
+def fresh_registry():
+    registry.reset()
+    yield
+    registry.reset()
+
+
+def ep(name, value, group="gearshift.rollout"):
+    return md.EntryPoint(name, value, group)
+
+
+def test_installed_reference_backends_load_by_short_name():
+    assert registry.load("rollout", "hf") is HFRolloutEngine
+    assert registry.load("train", "torch") is TorchTrainEngine
+    names = {(b.kind, b.name) for b in registry.list_backends() if b.ready}
+    assert {("rollout", "hf"), ("train", "torch"), ("reshard", "stream"), ("reshard", "naive")} <= names
+
+
+def test_missing_backend_names_the_package_to_install():
+    registry.use_manager("train", ExtensionManager.make_test_instance([]))
+    with pytest.raises(BackendError, match="pip install gearshift-deepspeed"):
+        registry.load("train", "deepspeed")
+    with pytest.raises(BackendError, match="no train backend named 'nope'"):
+        registry.load("train", "nope")
+    with pytest.raises(BackendError, match="unknown backend kind"):
+        registry.load("trainer", "torch")
+
+
+def test_plugin_that_fails_to_import_says_so():
+    failure = (ep("broken", "broken_pkg.engine:Engine"), ImportError("No module named 'broken_dep'"))
+    registry.use_manager("rollout", ExtensionManager.make_test_instance([]), [failure])
+    rows = {b.name: b for b in registry.list_backends("rollout")}
+    assert "broken_dep" in rows["broken"].status
+    with pytest.raises(BackendError, match="cannot be loaded: ImportError: No module named 'broken_dep'"):
+        registry.load("rollout", "broken")
+
+
+def test_two_plugins_with_one_name_is_an_error_naming_both():
+    exts = [Extension("hf", ep("hf", "pkg_a.x:A"), HFRolloutEngine, None),
+            Extension("hf", ep("hf", "pkg_b.y:B"), HFRolloutEngine, None)]
+    registry.use_manager("rollout", ExtensionManager.make_test_instance(exts))
+    with pytest.raises(BackendError, match="defined by both pkg_a and pkg_b"):
+        registry.load("rollout", "hf")
+
+
+def test_wrong_kind_and_missing_engine_requirements():
+    class NeedsEngine(TorchTrainEngine):
+        requires = ("no-such-distribution-xyz|nor-this-one",)
+        install = "pip install my-engine"
+
+    exts = [Extension("odd", ep("odd", "m:X", "gearshift.train"), dict, None),
+            Extension("needy", ep("needy", "m:Y", "gearshift.train"), NeedsEngine, None)]
+    registry.use_manager("train", ExtensionManager.make_test_instance(exts))
+    with pytest.raises(BackendError, match="not a subclass of TrainEngine"):
+        registry.load("train", "odd")
+    with pytest.raises(BackendError, match="needs no-such-distribution-xyz or nor-this-one: pip install my-engine"):
+        registry.load("train", "needy")
+
+
+def test_register_a_backend_from_user_code():
+    class Mine(HFRolloutEngine):
+        pass
+
+    registry.register("rollout", "mine", Mine)
+    assert registry.load("rollout", "mine") is Mine
+    with pytest.raises(BackendError, match="already exists"):
+        registry.register("rollout", "hf", Mine)
+    with pytest.raises(BackendError, match="must subclass RolloutEngine"):
+        registry.register("rollout", "bad", TorchTrainEngine)
