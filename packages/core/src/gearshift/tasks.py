@@ -1,0 +1,82 @@
+"""Built-in synthetic tasks: seeded rows {prompt, answer} a tiny model can learn on a CPU.
+
+Prompts are a few characters (the tiny models' tokenizer spends one token per
+byte), and answers are checked by `gearshift.rewards:exact_match` or
+`numeric_match`.
+
+    rows = make_task("add", 1000, seed=0, digits=2)   # {"prompt": "12+7=", "answer": "19"}
+    write_jsonl(rows, "add.jsonl")
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import string
+from pathlib import Path
+from typing import Callable, Iterable
+
+_OPS: dict[str, Callable[[int, int], int]] = {"+": lambda a, b: a + b, "-": lambda a, b: a - b,
+                                              "*": lambda a, b: a * b}
+
+
+def arithmetic(n: int, *, seed: int = 0, digits: int = 2, ops: str = "+") -> list[dict]:
+    """`n` problems "a<op>b=" with operands of up to `digits` digits; subtraction never goes negative."""
+    if digits < 1:
+        raise ValueError(f"digits={digits} must be >= 1")
+    unknown = set(ops) - set(_OPS)
+    if not ops or unknown:
+        raise ValueError(f"ops={ops!r}: use any of {''.join(_OPS)!r}")
+    rng = random.Random(seed)
+    top = 10**digits - 1
+    rows = []
+    for _ in range(n):
+        op = rng.choice(ops)
+        a, b = rng.randint(0, top), rng.randint(0, top)
+        if op == "-" and a < b:
+            a, b = b, a
+        rows.append({"prompt": f"{a}{op}{b}=", "answer": str(_OPS[op](a, b))})
+    return rows
+
+
+def addition(n: int, *, seed: int = 0, digits: int = 2) -> list[dict]:
+    """The default job's task: "a+b=" with operands of up to `digits` digits."""
+    return arithmetic(n, seed=seed, digits=digits, ops="+")
+
+
+def reverse(n: int, *, seed: int = 0, min_len: int = 3, max_len: int = 5) -> list[dict]:
+    """`n` prompts "rev abc=" answered by the letters reversed ("cba")."""
+    if not 1 <= min_len <= max_len:
+        raise ValueError(f"need 1 <= min_len ({min_len}) <= max_len ({max_len})")
+    rng = random.Random(seed)
+    rows = []
+    for _ in range(n):
+        word = "".join(rng.choices(string.ascii_lowercase, k=rng.randint(min_len, max_len)))
+        rows.append({"prompt": f"rev {word}=", "answer": word[::-1]})
+    return rows
+
+
+TASKS: dict[str, Callable[..., list[dict]]] = {"add": addition, "arith": arithmetic, "reverse": reverse}
+
+#: the reward that grades each task
+TASK_REWARDS = {"add": "gearshift.rewards:numeric_match", "arith": "gearshift.rewards:numeric_match",
+                "reverse": "gearshift.rewards:exact_match"}
+
+
+def make_task(name: str, n: int = 4096, *, seed: int = 0, **options) -> list[dict]:
+    """`n` rows of the built-in task `name` (add, arith, reverse); `options` set its difficulty."""
+    if name not in TASKS:
+        raise ValueError(f"unknown task {name!r}; built-in tasks: {', '.join(TASKS)}")
+    if n < 1:
+        raise ValueError(f"a task needs at least 1 row, got n={n}")
+    return TASKS[name](n, seed=seed, **options)
+
+
+def write_jsonl(rows: Iterable[dict], path: str | Path) -> Path:
+    """Write rows one JSON object per line (the format `PromptDataset.from_file` reads)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w", encoding="utf-8") as f:
+        for row in rows:
+            f.write(json.dumps(row, ensure_ascii=False) + "\n")
+    return path
