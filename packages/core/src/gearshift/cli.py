@@ -103,7 +103,7 @@ def _load_commands() -> None:
     """Commands that live in their own modules register themselves on import."""
     import importlib
 
-    for module in ("gearshift.run", "gearshift.bench"):
+    for module in ("gearshift.run", "gearshift.bench", "gearshift.conformance.cli"):
         try:
             importlib.import_module(module)
         except ModuleNotFoundError as err:

@@ -197,5 +197,15 @@ def register(kind: str, name: str, cls: type) -> None:
     _local[(kind, name)] = cls
 
 
+def name_of(kind: str, cls: type) -> str | None:
+    """The name `cls` (or the nearest registered class it derives from) is registered under."""
+    rows = [r for r in list_backends(kind) if r.cls is not None]
+    for klass in cls.__mro__:
+        for r in rows:
+            if r.cls is klass:
+                return r.name
+    return None
+
+
 def unregister(kind: str, name: str) -> None:
     _local.pop((kind, name), None)

@@ -49,6 +49,7 @@ class TorchTrainEngine(TrainEngine):
         max_grad_norm: float | None = 1.0,
         micro_batch_size: int | None = None,
         gradient_checkpointing: bool = False,
+        value_head: bool = False,
         seed: int = 0,
     ) -> None:
         from transformers import AutoModelForCausalLM
@@ -60,11 +61,16 @@ class TorchTrainEngine(TrainEngine):
         self.dtype = parse_dtype(dtype)
         self.max_grad_norm = max_grad_norm
         self.micro_batch_size = micro_batch_size
+        self.value_head = value_head
         torch.manual_seed(seed)
         model_ = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=self.dtype)
         model_.config.use_cache = False
         if gradient_checkpointing:
             model_.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if value_head:
+            from ..critic import ValueHeadModel
+
+            model_ = ValueHeadModel(model_)
         self.model = self._parallelize(model_)
         self.optimizer = torch.optim.AdamW(
             [p for p in self.model.parameters() if p.requires_grad],
@@ -104,20 +110,23 @@ class TorchTrainEngine(TrainEngine):
 
     def _forward(self, batch: TrainBatch, with_entropy: bool) -> PolicyOutput:
         batch = batch.to(self.device)
-        logits = self.model(
+        out = self.model(
             input_ids=batch.input_ids, attention_mask=batch.attention_mask,
             position_ids=position_ids(batch.attention_mask), use_cache=False,
-        ).logits
-        return token_logprobs(logits, batch.input_ids, with_entropy)
+        )
+        if self.value_head:  # a critic: values instead of log-probabilities
+            return PolicyOutput(torch.zeros_like(out), values=out)
+        return token_logprobs(out.logits, batch.input_ids, with_entropy)
 
     @torch.no_grad()
     def forward_logprobs(self, batch: TrainBatch, with_entropy: bool = False) -> PolicyOutput:
+        """Log-probabilities (and entropies), or values for an engine built with `value_head=True`."""
         self.model.eval()
         outs = [self._forward(mb, with_entropy) for mb in batch.micro_batches(self.micro_batch_size)]
-        return PolicyOutput(
-            torch.cat([o.logprobs for o in outs]),
-            torch.cat([o.entropy for o in outs]) if with_entropy else None,
-        )
+        def cat(field: str):
+            parts = [getattr(o, field) for o in outs]
+            return None if parts[0] is None else torch.cat(parts)
+        return PolicyOutput(cat("logprobs"), cat("entropy"), cat("values"))
 
     def train_step(self, batch: TrainBatch, loss_fn: LossFn) -> dict[str, float]:
         self.model.train()
@@ -183,6 +192,6 @@ class TorchTrainEngine(TrainEngine):
         for bucket in self.export_weights():
             state.update((k, v.detach().cpu()) for k, v in bucket.items())
         if gdist.rank() == 0:
-            self.model.save_pretrained(path, state_dict=state, safe_serialization=True)
+            self.model.save_pretrained(path, state_dict=state)
             AutoTokenizer.from_pretrained(self.model_path).save_pretrained(path)
         gdist.barrier()

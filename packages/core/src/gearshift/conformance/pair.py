@@ -102,6 +102,30 @@ class PairSuite:
         with pytest.raises(WeightError, match="does not have"):
             plan_reshard(train_engine.weight_spec(), extra)
 
+    def test_switch_latency_within_budget(self, train_engine, rollout_engine, gearshift_shared_tmp, request,
+                                          record_property):
+        from .. import registry
+        from ..bench import measure_pair
+        from ..budgets import budget_for
+
+        train_name = registry.name_of("train", type(train_engine)) or type(train_engine).__name__
+        rollout_name = registry.name_of("rollout", type(rollout_engine)) or type(rollout_engine).__name__
+        device = "cuda" if train_engine.device.type == "cuda" else "cpu"
+        budget = budget_for(device, train_name, rollout_name).with_overrides(
+            request.config.getoption("--gearshift-budget"))
+        bench = measure_pair(train_engine, rollout_engine, switches=5, naive_switches=3,
+                             naive_dir=str(gearshift_shared_tmp), labels=(train_name, rollout_name, "suite"))
+        print(bench.table())
+        for key, value in {"sync_s": bench.sync_s, "naive_s": bench.naive_s, "copy_s": bench.copy_s,
+                           "engine_load_s": bench.engine_load_s}.items():
+            record_property(key, value)
+        limit = budget.limit(bench.copy_s, bench.engine_load_s)
+        assert bench.sync_s <= limit, (
+            f"sync {bench.sync_s:.4f}s is over the budget {limit:.4f}s = {budget.k} x max(copy {bench.copy_s:.4f}s, "
+            f"engine load {bench.engine_load_s:.4f}s) + {budget.overhead_s}s")
+        assert bench.naive_s >= budget.m * bench.sync_s, (
+            f"the naive resharder ({bench.naive_s:.4f}s) is not {budget.m}x slower than sync ({bench.sync_s:.4f}s)")
+
     def test_using_the_wrong_mode_is_a_clear_error(self, actor):
         with pytest.raises(ModeError, match="train mode"):
             actor.generate(PROMPTS, GREEDY)

@@ -23,6 +23,8 @@ def pytest_addoption(parser):
     group.addoption("--gearshift-train", default=None, help="train backend for the by-name suite")
     group.addoption("--gearshift-rollout", default=None, help="rollout backend for the by-name suite")
     group.addoption("--gearshift-options", default="{}", help="JSON: {'train': {...}, 'rollout': {...}} engine options")
+    group.addoption("--gearshift-budget", default=None,
+                    help="override switch budgets, e.g. k=2,m=3,overhead_s=0.05 (see gearshift/budgets.yaml)")
     group.addoption("--runslow", action="store_true", default=False, help="run tests marked slow")
 
 

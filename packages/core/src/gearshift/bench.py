@@ -1,0 +1,306 @@
+"""Benchmarks: switch latency beside its baselines, rollout tokens/s, train steps/s.
+
+Every figure is measured in the same run as the baselines it is compared with:
+the naive resharder (a safetensors file round trip), the copy limit (a plain
+copy of the same bytes on the same device) and the rollout engine's own load
+of the same weights from memory (its fastest path, with no export before it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from . import dist as gdist, registry
+from .cli import command
+from .hybrid import HybridActor
+from .profiler import SwitchReport, median_report
+from .reshard import NaiveResharder, StreamingResharder
+from .weights import WeightBucket
+
+
+@dataclass
+class SwitchBench:
+    """Medians of N switches of one pair, and the baselines measured beside them."""
+
+    train: str
+    rollout: str
+    model: str
+    bytes: int
+    to_rollout: SwitchReport
+    to_train: SwitchReport
+    naive: SwitchReport
+    copy_s: float
+    engine_load_s: float
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def sync_s(self) -> float:
+        return sum(p.seconds for p in self.to_rollout.phases if p.name in ("export", "load"))
+
+    @property
+    def naive_s(self) -> float:
+        return sum(p.seconds for p in self.naive.phases if p.name in ("save", "load"))
+
+    def ratios(self) -> dict[str, float]:
+        return {
+            "sync_over_copy": self.sync_s / self.copy_s if self.copy_s else float("inf"),
+            "sync_over_engine_load": self.sync_s / self.engine_load_s if self.engine_load_s else float("inf"),
+            "naive_over_sync": self.naive_s / self.sync_s if self.sync_s else float("inf"),
+        }
+
+    def to_dict(self) -> dict:
+        return {
+            "train": self.train, "rollout": self.rollout, "model": self.model, "bytes": self.bytes,
+            "sync_s": self.sync_s, "naive_s": self.naive_s, "copy_s": self.copy_s,
+            "engine_load_s": self.engine_load_s, **self.ratios(),
+            "to_rollout": self.to_rollout.to_dict(), "to_train": self.to_train.to_dict(),
+            "naive": self.naive.to_dict(), **self.extra,
+        }
+
+    def table(self) -> str:
+        r = self.ratios()
+        lines = [
+            f"switch benchmark: train={self.train} rollout={self.rollout} model={self.model} "
+            f"({self.bytes / 1e6:.1f} MB of weights)",
+            self.to_rollout.table(), self.to_train.table(),
+            "",
+            f"{'sync (export + load), median':<38}{self.sync_s:10.4f} s  {self.bytes / self.sync_s / 1e9:6.2f} GB/s",
+            f"{'naive resharder (file round trip)':<38}{self.naive_s:10.4f} s  {r['naive_over_sync']:6.1f}x the sync",
+            f"{'copy limit (plain copy, same bytes)':<38}{self.copy_s:10.4f} s  sync is {r['sync_over_copy']:.2f}x",
+            f"{'engine load from memory (no export)':<38}{self.engine_load_s:10.4f} s  "
+            f"sync is {r['sync_over_engine_load']:.2f}x",
+        ]
+        return "\n".join(lines)
+
+    def plot(self, path: str | Path) -> bool:
+        try:
+            import matplotlib
+
+            matplotlib.use("Agg")
+            import matplotlib.pyplot as plt
+        except ImportError:
+            return False
+        bars = {
+            "gearshift\n(to rollout)": [(p.name, p.seconds) for p in self.to_rollout.phases],
+            "naive": [(p.name, p.seconds) for p in self.naive.phases if p.name in ("save", "load")],
+            "copy limit": [("copy", self.copy_s)],
+            "engine load": [("engine load", self.engine_load_s)],
+        }
+        fig, ax = plt.subplots(figsize=(7, 4))
+        colors: dict[str, Any] = {}
+        cmap = plt.get_cmap("tab10")
+        for i, (label, parts) in enumerate(bars.items()):
+            bottom = 0.0
+            for name, secs in parts:
+                color = colors.setdefault(name, cmap(len(colors) % 10))
+                ax.bar(i, secs, bottom=bottom, color=color, label=name if name not in ax.get_legend_handles_labels()[1] else None)
+                bottom += secs
+        ax.set_xticks(range(len(bars)), list(bars))
+        ax.set_ylabel("seconds (median)")
+        ax.set_title(f"switch: {self.train} -> {self.rollout}, {self.bytes / 1e6:.0f} MB")
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        fig.savefig(path, dpi=100)
+        plt.close(fig)
+        return True
+
+
+def _median_seconds(fn, repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        gdist.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        gdist.synchronize()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def measure_pair(train, rollout, switches: int = 5, naive_switches: int = 3, naive_dir: str | None = None,
+                 progress: bool = False, labels: tuple[str, str, str] = ("", "", "")) -> SwitchBench:
+    """Switch a built pair `switches` times, then the baselines on the same engines; return the medians."""
+    from tqdm import tqdm
+
+    actor = HybridActor(train, rollout, StreamingResharder())
+    bar = tqdm(total=switches + naive_switches + 1, desc="switches", disable=not progress or gdist.rank() != 0)
+    actor.to_rollout()  # warm-up: first-touch allocations are not what a steady run pays
+    actor.to_train()
+    bar.update(1)
+    ups, downs = [], []
+    for _ in range(switches):
+        ups.append(actor.to_rollout())
+        downs.append(actor.to_train())
+        bar.update(1)
+    naive_actor = HybridActor(train, rollout, NaiveResharder(directory=naive_dir))
+    naive = []
+    for _ in range(naive_switches):
+        naive.append(naive_actor.to_rollout())
+        naive_actor.to_train()
+        bar.update(1)
+    bar.close()
+    plan = actor.plan
+    # The rollout engine's own fastest load: the same weights, already whole in memory, in one call.
+    full = {n: t.detach().clone() for b in train.export_weights(plan.dst) for n, t in b.items()}
+    rollout.wake(["weights"])
+    engine_load_s = _median_seconds(lambda: rollout.update_weights([WeightBucket(full)]), max(switches, 1))
+    rollout.sleep(["weights", "kv_cache"])
+    # The copy limit: the same bytes copied once, tensor by tensor, on the same device.
+    src = list(full.values())
+    dst = [torch.empty_like(t) for t in src]
+    copy_s = _median_seconds(lambda: [d.copy_(s) for d, s in zip(dst, src)], max(switches, 3))
+    del full, src, dst
+    return SwitchBench(*labels, plan.bytes_received(gdist.rank()), median_report(ups), median_report(downs),
+                       median_report(naive), copy_s, engine_load_s)
+
+
+def measure_switch(train_name: str, rollout_name: str, model: str, switches: int = 5, naive_switches: int = 3,
+                   train_options: dict | None = None, rollout_options: dict | None = None,
+                   naive_dir: str | None = None, progress: bool = True) -> SwitchBench:
+    """Build the pair on `model` (a folder or preset) and measure it with `measure_pair`."""
+    from .tiny import resolve_model
+
+    gdist.init()
+    path = resolve_model(model)
+    train = registry.create("train", train_name, model=path, **(train_options or {}))
+    rollout = registry.create("rollout", rollout_name, model=path, **(rollout_options or {}))
+    try:
+        return measure_pair(train, rollout, switches, naive_switches, naive_dir, progress,
+                            (train_name, rollout_name, model))
+    finally:
+        train.close()
+        rollout.close()
+
+
+def _switch_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--train", default="torch", help="train backend (default torch)")
+    p.add_argument("--rollout", default="hf", help="rollout backend (default hf)")
+    p.add_argument("--model", default="bench100m", help="model folder or preset (default bench100m, ~110M params)")
+    p.add_argument("--switches", type=int, default=5, help="full switches to take the median of (default 5)")
+    p.add_argument("--naive-switches", type=int, default=3, help="switches with the naive resharder (default 3)")
+    p.add_argument("--train-options", default="{}", help="JSON options for the train engine")
+    p.add_argument("--rollout-options", default="{}", help="JSON options for the rollout engine")
+    p.add_argument("--out", default="runs/bench", help="folder for the JSON and PNG (default runs/bench)")
+
+
+def bench_switch(args: argparse.Namespace) -> int:
+    bench = measure_switch(args.train, args.rollout, args.model, args.switches, args.naive_switches,
+                           json.loads(args.train_options), json.loads(args.rollout_options))
+    if gdist.rank() == 0:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        stem = f"switch-{args.train}-{args.rollout}"
+        (out / f"{stem}.json").write_text(json.dumps(bench.to_dict(), indent=2))
+        bench.plot(out / f"{stem}.png")
+        print(bench.table())
+        print(f"\nwritten: {out / stem}.json, {out / stem}.png")
+    return 0
+
+
+def measure_rollout(names: list[str], model: str, prompts: int = 16, n: int = 4, max_tokens: int = 64,
+                    repeats: int = 3, options: dict | None = None) -> list[dict]:
+    """Generated tokens/s of each rollout backend on the same model and batch (sampling, fixed seed)."""
+    from .rollout import SamplingParams
+    from .tiny import resolve_model
+
+    path = resolve_model(model)
+    batch = [[(7 * i + j) % 200 + 32 for j in range(8 + i % 5)] for i in range(prompts)]
+    sampling = SamplingParams(n=n, temperature=1.0, max_tokens=max_tokens, seed=0)
+    rows = []
+    for name in names:
+        engine = registry.create("rollout", name, model=path, **(options or {}).get(name, {}))
+        engine.generate(batch[:2], sampling)  # warm-up
+        times, tokens = [], 0
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            out = engine.generate(batch, sampling)
+            times.append(time.perf_counter() - t0)
+            tokens = sum(len(r.token_ids) for r in out)
+        secs = statistics.median(times)
+        rows.append({"backend": name, "model": model, "sequences": len(batch) * n, "tokens": tokens,
+                     "seconds": secs, "tokens_per_s": tokens / secs})
+        engine.close()
+    return rows
+
+
+def measure_train(names: list[str], model: str, batch_size: int = 16, seq_len: int = 64, steps: int = 3,
+                  options: dict | None = None) -> list[dict]:
+    """Optimizer steps/s of each train backend on the same model and batch."""
+    from .conformance.train import nll
+    from .tiny import resolve_model
+    from .train import TrainBatch
+
+    gdist.init()
+    path = resolve_model(model)
+    g = torch.Generator().manual_seed(0)
+    prompts = torch.randint(32, 200, (batch_size, seq_len // 2), generator=g).tolist()
+    responses = torch.randint(32, 200, (batch_size, seq_len // 2), generator=g).tolist()
+    batch = TrainBatch.from_sequences(prompts, responses)
+    rows = []
+    for name in names:
+        engine = registry.create("train", name, model=path, lr=1e-5, **(options or {}).get(name, {}))
+        engine.train_step(batch, nll)  # warm-up
+        secs = _median_seconds(lambda: engine.train_step(batch, nll), steps)
+        rows.append({"backend": name, "model": model, "batch": batch_size, "seq_len": seq_len,
+                     "seconds_per_step": secs, "steps_per_s": 1 / secs,
+                     "tokens_per_s": batch_size * seq_len / secs})
+        engine.close()
+    return rows
+
+
+def _rollout_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--backends", default="hf", help="comma-separated rollout backends (e.g. hf,vllm)")
+    p.add_argument("--model", default="small", help="model folder or preset (default small)")
+    p.add_argument("--prompts", type=int, default=16)
+    p.add_argument("--n", type=int, default=4, help="samples per prompt")
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--options", default="{}", help="JSON: {backend: {engine options}}")
+
+
+def _train_bench_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--backends", default="torch", help="comma-separated train backends (e.g. torch,fsdp)")
+    p.add_argument("--model", default="small", help="model folder or preset (default small)")
+    p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--seq-len", type=int, default=64)
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--options", default="{}", help="JSON: {backend: {engine options}}")
+
+
+def _print_rows(rows: list[dict]) -> None:
+    if gdist.rank() != 0 or not rows:
+        return
+    keys = list(rows[0])
+    cells = [keys] + [[f"{r[k]:.4g}" if isinstance(r[k], float) else str(r[k]) for k in keys] for r in rows]
+    widths = [max(len(c[i]) for c in cells) for i in range(len(keys))]
+    for i, c in enumerate(cells):
+        print("  ".join(x.rjust(w) for x, w in zip(c, widths)))
+        if i == 0:
+            print("  ".join("-" * w for w in widths))
+
+
+def _bench_args(p: argparse.ArgumentParser) -> None:
+    sub = p.add_subparsers(dest="what", metavar="WHAT", required=True)
+    _switch_args(sub.add_parser("switch", help="switch latency of a pair beside naive, copy and engine-load baselines"))
+    _rollout_args(sub.add_parser("rollout", help="generated tokens/s of rollout backends, side by side"))
+    _train_bench_args(sub.add_parser("train", help="train steps/s of train backends, side by side"))
+
+
+@command("bench", "benchmarks: switch latency, rollout tokens/s, train steps/s", _bench_args)
+def bench(args: argparse.Namespace) -> int:
+    if args.what == "switch":
+        return bench_switch(args)
+    names = [n.strip() for n in args.backends.split(",") if n.strip()]
+    options = json.loads(args.options)
+    if args.what == "rollout":
+        _print_rows(measure_rollout(names, args.model, args.prompts, args.n, args.max_tokens, args.repeats, options))
+    else:
+        _print_rows(measure_train(names, args.model, args.batch_size, args.seq_len, args.steps, options))
+    return 0

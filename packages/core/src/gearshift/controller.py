@@ -1,0 +1,276 @@
+"""The RL loop: rollout -> reward -> reference logprobs -> advantages -> policy (and critic) update -> switch.
+
+Plain Python over the core interfaces; every rank runs it in step (SPMD).
+Each rank rolls out its share of the step's prompts and trains on them; the
+train engine's own process group averages the gradients.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import statistics
+import time
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from . import checkpoint, dist as gdist, registry
+from .algos import compute_advantages, kl_estimate, kl_in_reward, make_policy_loss_fn, make_value_loss_fn
+from .config import Config
+from .hybrid import HybridActor
+from .mesh import MeshSpec
+from .metrics import MetricsLogger, peak_memory_bytes, plot_rewards
+from .rollout import Rollout, SamplingParams
+from .train import TrainBatch
+
+RewardFn = Callable[..., "float | None"]
+
+
+def _mean(xs: list[float]) -> float:
+    return statistics.fmean(xs) if xs else 0.0
+
+
+class Controller:
+    """Builds the engines a config names and runs its steps."""
+
+    def __init__(self, config: Config, reward_fn: RewardFn | None = None, dataset=None) -> None:
+        from transformers import AutoTokenizer
+
+        from .data import PromptDataset
+        from .rewards import load_reward
+        from .tiny import resolve_model
+
+        gdist.init()
+        self.rank, self.world = gdist.rank(), gdist.world_size()
+        self.config = config.validate(self.world)
+        cfg = self.config
+        random.seed(cfg.run.seed + self.rank)
+        torch.manual_seed(cfg.run.seed)
+        self.out = Path(cfg.run.output_dir)
+        self.model_path = resolve_model(cfg.model.path) if self.rank == 0 else None
+        self.model_path = _broadcast(self.model_path)
+        self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
+        self.reward_fn = reward_fn if callable(reward_fn) else load_reward(reward_fn or cfg.reward.fn)
+        self.data = dataset if dataset is not None else PromptDataset.from_config(cfg.data)
+        self.data.bind(self.tokenizer, max_prompt_len=cfg.data.max_prompt_len)
+        train_mesh = MeshSpec.parse(cfg.train.mesh) if cfg.train.mesh else MeshSpec(dp=self.world)
+        rollout_mesh = MeshSpec.parse(cfg.rollout.mesh) if cfg.rollout.mesh else MeshSpec(dp=self.world)
+        common = dict(model=self.model_path, dtype=cfg.model.dtype)
+        t = cfg.train
+        train_opts = dict(common, mesh=train_mesh, lr=t.lr, weight_decay=t.weight_decay,
+                          max_grad_norm=t.max_grad_norm, micro_batch_size=t.micro_batch_size or None,
+                          seed=cfg.run.seed, **t.options)
+        self.policy = registry.create("train", t.backend, **train_opts)
+        rollout = registry.create("rollout", cfg.rollout.backend, mesh=rollout_mesh, **common, **cfg.rollout.options)
+        self.actor = HybridActor(self.policy, rollout)
+        a = cfg.algorithm
+        self.reference = None
+        if a.kl_coef > 0:  # a frozen copy of the starting policy; it never steps, so it holds no optimizer state
+            self.reference = registry.create("train", t.backend, **train_opts)
+        self.critic = None
+        if a.name == "ppo":
+            self.critic = registry.create("train", t.backend, **{**train_opts, "lr": a.critic_lr}, value_head=True)
+        self.advantage = a.advantage or ("gae" if a.name == "ppo" else "grpo")
+        self.policy_loss = make_policy_loss_fn(
+            a.policy_loss, kl_coef=a.kl_coef if a.kl_in == "loss" else 0.0, kl_estimator=a.kl_estimator,
+            kl_in_loss=a.kl_in == "loss", entropy_coef=a.entropy_coef, agg=a.loss_agg,
+            **({"clip_low": a.clip_low, "clip_high": a.clip_high} if a.policy_loss == "ppo_clip" else {}),
+        )
+        self.value_loss = make_value_loss_fn(clip=a.value_clip, agg=a.loss_agg) if self.critic else None
+        self.step = 0
+        self.logger = MetricsLogger(self.out, tensorboard=cfg.run.tensorboard, wandb=cfg.run.wandb,
+                                    wandb_project=cfg.run.wandb_project, config=cfg.to_dict(),
+                                    enabled=self.rank == 0)
+        self._maybe_resume()
+
+    # --- checkpoints ----------------------------------------------------------------------
+    def _engines(self) -> dict:
+        engines = {"policy": self.policy}
+        if self.critic is not None:
+            engines["critic"] = self.critic
+        return engines
+
+    def _maybe_resume(self) -> None:
+        resume = self.config.run.resume
+        if resume == "never":
+            return
+        path = Path(resume) if resume != "auto" else checkpoint.latest(self.out / "checkpoints")
+        if path is None:
+            return
+        state = checkpoint.load(path, self._engines())
+        self.step = state["step"]
+        self.data.load_state_dict(state["data"])
+        self.logger.truncate_after(self.step)
+        if self.rank == 0:
+            print(f"gearshift: resumed from {path} at step {self.step}")
+
+    def save_checkpoint(self) -> Path:
+        return checkpoint.save(self.out / "checkpoints", self.step, self._engines(),
+                               {"step": self.step, "data": self.data.state_dict()})
+
+    # --- one step -------------------------------------------------------------------------
+    def run_step(self) -> dict[str, Any]:
+        """One RL step; returns its metrics (averaged over ranks where that makes sense)."""
+        cfg = self.config
+        times: dict[str, float] = {}
+
+        @contextmanager
+        def timed(name: str):
+            t0 = time.perf_counter()
+            yield
+            gdist.synchronize()
+            times[f"time/{name}"] = time.perf_counter() - t0
+
+        step_start = time.perf_counter()
+        rows = self.data.next_batch(cfg.run.prompts_per_step)[self.rank::self.world]
+        prompts = [row["prompt_ids"] for row in rows]
+        r = cfg.rollout
+        sampling = SamplingParams(n=r.n, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
+                                  max_tokens=r.max_tokens, stop=tuple(r.stop),
+                                  seed=cfg.run.seed * 1_000_003 + self.step * 1009 + self.rank)
+        switch_in = self.actor.to_rollout()
+        with timed("rollout"):
+            rollouts = self.actor.generate(prompts, sampling)
+        switch_out = self.actor.to_train()
+        with timed("reward"):
+            kept, rewards = self._score(rollouts, rows)
+        metrics: dict[str, Any] = {}
+        if kept:
+            metrics.update(self._learn(kept, rewards, timed))
+        gen_tokens = sum(len(x.token_ids) for x in rollouts)
+        metrics.update({
+            "reward/mean": _mean(rewards), "reward/max": max(rewards, default=0.0),
+            "reward/min": min(rewards, default=0.0), "reward/dropped": len(rollouts) - len(kept),
+            "response_len/mean": _mean([len(x.token_ids) for x in rollouts]),
+            "rollout/tokens_per_s": gen_tokens / max(times["time/rollout"], 1e-9),
+            "time/switch_to_rollout": switch_in.seconds, "time/switch_to_train": switch_out.seconds,
+            **{f"switch/{p.name}": p.seconds for p in switch_in.phases + switch_out.phases},
+            "memory/peak_gb": peak_memory_bytes() / 2**30, **times,
+        })
+        metrics = _average_over_ranks(metrics)
+        metrics["time/step"] = time.perf_counter() - step_start
+        self.step += 1
+        self.samples = [(self.tokenizer.decode(x.prompt_ids, skip_special_tokens=True), x.text or "", rw)
+                        for x, rw in zip(kept[: cfg.run.samples_per_step], rewards)]
+        return metrics
+
+    def _score(self, rollouts: list[Rollout], rows: list[dict]) -> tuple[list[Rollout], list[float]]:
+        kept, rewards = [], []
+        for x in rollouts:
+            text = x.text if x.text is not None else self.tokenizer.decode(x.token_ids, skip_special_tokens=True)
+            x.text = text
+            row = {k: v for k, v in rows[x.prompt_index].items() if k != "prompt_ids"}
+            value = self.reward_fn(text, **row)
+            if value is None:
+                continue
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
+                raise TypeError(f"the reward function returned {value!r} for {text!r}: return a finite float or None")
+            kept.append(x)
+            rewards.append(float(value))
+        return kept, rewards
+
+    def _learn(self, kept: list[Rollout], rewards: list[float], timed) -> dict[str, float]:
+        cfg, a = self.config, self.config.algorithm
+        pad = self.tokenizer.pad_token_id or 0
+        batch = TrainBatch.from_sequences([x.prompt_ids for x in kept], [x.token_ids for x in kept], pad_id=pad)
+        mask = batch.loss_mask
+        group_ids = torch.tensor([x.prompt_index for x in kept])
+        reward_t = torch.tensor(rewards, dtype=torch.float32)
+        with timed("old_logprobs"):
+            old = self.policy.forward_logprobs(batch).logprobs.cpu()
+        rollout_lp = torch.zeros_like(old)
+        for i, x in enumerate(kept):
+            rollout_lp[i, len(x.prompt_ids):len(x.prompt_ids) + len(x.token_ids)] = torch.tensor(x.logprobs)
+        gap = (old - rollout_lp).abs() * mask
+        out = {"mismatch/logprob_max": float(gap.max()),
+               "mismatch/logprob_mean": float(gap.sum() / mask.sum().clamp(min=1))}
+        extras = {"old_logprobs": old}
+        token_rewards = reward_t
+        if self.reference is not None:
+            with timed("ref_logprobs"):
+                ref = self.reference.forward_logprobs(batch).logprobs.cpu()
+            extras["ref_logprobs"] = ref
+            out["kl/ref"] = float((kl_estimate(old, ref, a.kl_estimator) * mask).sum() / mask.sum().clamp(min=1))
+            if a.kl_in == "reward":
+                token_rewards, _ = kl_in_reward(reward_t, mask, old, ref, kl_coef=a.kl_coef, estimator=a.kl_estimator)
+        values = None
+        if self.critic is not None:
+            with timed("values"):
+                values = self.critic.forward_logprobs(batch).values.cpu() * mask
+            extras["old_values"] = values
+        options = {"gamma": a.gamma, "lam": a.lam} if self.advantage == "gae" else {}
+        if self.advantage == "grpo":
+            options["norm_by_std"] = a.norm_adv_by_std
+        adv, returns = compute_advantages(self.advantage, token_rewards, mask, group_ids=group_ids,
+                                          values=values, **options)
+        extras.update(advantages=adv, returns=returns)
+        batch.extras.update(extras)
+        train_metrics: list[dict[str, float]] = []
+        with timed("train"):
+            for _ in range(a.epochs):
+                for mini in batch.micro_batches(cfg.train.mini_batch_size or None):
+                    train_metrics.append(self.policy.train_step(mini, self.policy_loss))
+                    if self.critic is not None:
+                        critic_m = self.critic.train_step(mini, self.value_loss)
+                        train_metrics[-1].update({f"critic/{k}": v for k, v in critic_m.items()})
+        keys = {k for m in train_metrics for k in m}
+        out.update({f"train/{k}": _mean([m[k] for m in train_metrics if k in m]) for k in sorted(keys)})
+        return out
+
+    # --- the whole run --------------------------------------------------------------------
+    def fit(self) -> list[dict[str, Any]]:
+        """Run until `run.steps`, checkpointing as configured; returns every step's metrics."""
+        from tqdm import tqdm
+
+        cfg = self.config.run
+        history = []
+        bar = tqdm(total=cfg.steps, initial=self.step, desc="gearshift", unit="step",
+                   disable=not cfg.progress or self.rank != 0, dynamic_ncols=True)
+        try:
+            while self.step < cfg.steps:
+                metrics = self.run_step()
+                history.append(metrics)
+                self.logger.log(self.step, metrics)
+                if self.rank == 0:
+                    bar.update(1)
+                    bar.set_postfix(reward=f"{metrics['reward/mean']:.3f}", kl=f"{metrics.get('kl/ref', 0):.3f}",
+                                    len=f"{metrics['response_len/mean']:.1f}")
+                    for prompt, text, rw in self.samples:
+                        bar.write(f"[step {self.step}] {prompt!r} -> {text!r} (reward {rw:g})")
+                if cfg.checkpoint_every and self.step % cfg.checkpoint_every == 0:
+                    self.save_checkpoint()
+        finally:
+            bar.close()
+            self.logger.close()
+        if self.rank == 0 and cfg.plot:
+            plot_rewards(self.logger.path, self.out / "reward.png")
+        return history
+
+    def export(self, path: str | Path) -> None:
+        """Write the policy as a Hugging Face folder (loads with transformers and vLLM)."""
+        self.policy.save_hf(str(path))
+
+
+def _broadcast(value):
+    if not gdist.is_distributed():
+        return value
+    import torch.distributed as dist
+
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def _average_over_ranks(metrics: dict[str, Any]) -> dict[str, Any]:
+    if not gdist.is_distributed():
+        return metrics
+    import torch.distributed as dist
+
+    keys = sorted(metrics)
+    t = torch.tensor([float(metrics[k]) for k in keys], dtype=torch.float64)
+    dist.all_reduce(t)
+    t /= gdist.world_size()
+    return dict(zip(keys, t.tolist()))

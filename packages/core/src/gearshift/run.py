@@ -1,0 +1,88 @@
+"""`gearshift train` and the Python API.
+
+    from gearshift import Trainer
+
+    Trainer(model="path/to/model", reward="rewards.py:score", dataset="train.jsonl").train()
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any, Callable
+
+from .cli import command
+from .config import Config, ConfigError, _build, _merge, load_config
+
+
+class Trainer:
+    """A run from a model, a reward and a dataset; anything else comes from the config defaults.
+
+    `reward` is a callable `(completion, **row) -> float | None` or its name
+    ('module:fn', 'file.py:fn'); `dataset` a jsonl/parquet path or a
+    `PromptDataset`; `sections` override config sections, e.g.
+    `algorithm={"name": "ppo"}, run={"steps": 100}`.
+    """
+
+    def __init__(self, model: str | None = None, reward: str | Callable | None = None, dataset: Any = None,
+                 config: Config | None = None, **sections: dict) -> None:
+        data = (config or Config()).to_dict()
+        extra: dict = {k: v for k, v in sections.items()}
+        if model is not None:
+            extra.setdefault("model", {})["path"] = model
+        if isinstance(reward, str):
+            extra.setdefault("reward", {})["fn"] = reward
+        if isinstance(dataset, str):
+            extra.setdefault("data", {})["path"] = dataset
+        try:
+            self.config = _build(Config, _merge(data, extra))
+        except TypeError as err:
+            raise ConfigError(str(err)) from None
+        self._reward = reward if callable(reward) else None
+        self._dataset = None if isinstance(dataset, str) else dataset
+        self.controller = None
+
+    def train(self) -> list[dict]:
+        """Run every step; returns the metrics of each."""
+        from .controller import Controller
+
+        self.controller = Controller(self.config, reward_fn=self._reward, dataset=self._dataset)
+        return self.controller.fit()
+
+    def save(self, path: str) -> None:
+        """Write the trained policy as a Hugging Face folder."""
+        if self.controller is None:
+            raise RuntimeError("call train() first")
+        self.controller.export(path)
+
+
+def _train_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("config", nargs="?", help="YAML config file (optional; defaults train the built-in task)")
+    parser.add_argument("overrides", nargs="*", metavar="key=value",
+                        help="dotted overrides, e.g. algorithm.name=ppo rollout.backend=vllm run.steps=100")
+    parser.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
+    parser.add_argument("--export", metavar="DIR", help="write the final policy as a Hugging Face folder")
+
+
+@command("train", "run an RL job (GRPO by default); no arguments: the built-in arithmetic task on CPU", _train_args)
+def train(args: argparse.Namespace) -> int:
+    import yaml
+
+    path, overrides = args.config, list(args.overrides)
+    if path and "=" in path:  # only overrides were given
+        path, overrides = None, [path, *overrides]
+    cfg = load_config(path, overrides)
+    if args.print_config:
+        print(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+        return 0
+    trainer = Trainer(config=cfg)
+    history = trainer.train()
+    controller = trainer.controller
+    if controller.rank == 0 and history:
+        first, last = history[0], history[-1]
+        print(f"reward/mean: first step {first['reward/mean']:.3f}, last step {last['reward/mean']:.3f}")
+        print(f"metrics: {controller.logger.path}; reward curve: {controller.out / 'reward.png'}")
+    if args.export:
+        trainer.save(args.export)
+        if controller.rank == 0:
+            print(f"policy written to {args.export}")
+    return 0
