@@ -1,0 +1,70 @@
+"""Applying FSDP2 to a Hugging Face causal LM: the one place that decides how the model is sharded."""
+
+from __future__ import annotations
+
+import torch
+from gearshift.mesh import MeshError, MeshSpec
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
+
+def build_dp_mesh(mesh: MeshSpec, device_type: str, replicate: int = 1) -> DeviceMesh:
+    """The FSDP mesh over `mesh`'s dp ranks: 1-D `dp`, or 2-D (`dp_replicate`, `dp_shard`) for hybrid sharding."""
+    if replicate < 1 or mesh.dp % replicate:
+        raise MeshError(f"replicate={replicate} must divide dp={mesh.dp}: hybrid sharding makes "
+                        f"{replicate} groups of dp/replicate ranks, each holding one sharded copy")
+    if replicate == 1:
+        return mesh.to_device_mesh(device_type, axes=("dp",))
+    return init_device_mesh(device_type, (replicate, mesh.dp // replicate), mesh_dim_names=("dp_replicate", "dp_shard"))
+
+
+def decoder_layers(model: nn.Module) -> list[nn.Module]:
+    """The blocks to shard one by one: the classes the model (or one it wraps) lists in `_no_split_modules`."""
+    names = {n for m in model.modules() for n in (getattr(m, "_no_split_modules", None) or ())}
+    layers = [m for m in model.modules() if type(m).__name__ in names]
+    if not layers:  # a model that names none: the longest ModuleList (the decoder stack, by convention)
+        lists = [m for m in model.modules() if isinstance(m, nn.ModuleList)]
+        layers = list(max(lists, key=len)) if lists else []
+    return layers
+
+
+def parallelize_causal_lm(
+    model: nn.Module,
+    *,
+    mesh: DeviceMesh,
+    param_dtype: torch.dtype | None = None,
+    reduce_dtype: torch.dtype | None = None,
+    reshard_after_forward: bool | int = True,
+    cpu_offload: bool = False,
+) -> nn.Module:
+    """Shard each decoder layer, then the root, over `mesh`; returns the model, sharded in place.
+
+    The root group holds what the layers do not: the embeddings, the final norm and
+    the output head, so a head tied to the embeddings stays one parameter. The
+    root keeps its parameters gathered between forward and backward (FSDP's own
+    choice for the root: backward needs them first). `param_dtype` and
+    `reduce_dtype` set the compute and gradient-reduction dtypes (None: the
+    parameters' own); `cpu_offload` keeps the sharded state in host memory and
+    runs the optimizer there.
+    """
+    layers = decoder_layers(model)
+    if not layers:
+        raise ValueError(f"found no decoder layers to shard in {type(model).__name__}: it lists no "
+                         f"_no_split_modules and has no nn.ModuleList")
+    options = dict(
+        mesh=mesh,
+        mp_policy=MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype),
+        offload_policy=CPUOffloadPolicy(pin_memory=mesh.device_type == "cuda") if cpu_offload else OffloadPolicy(),
+    )
+    for layer in layers:
+        fully_shard(layer, reshard_after_forward=reshard_after_forward, **options)
+    fully_shard(model, **options)
+    return model
+
+
+def reshard(model: nn.Module) -> None:
+    """Free every gathered parameter and register the shards again (the root stays gathered after forward)."""
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()

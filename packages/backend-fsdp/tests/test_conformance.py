@@ -1,0 +1,28 @@
+"""The core's conformance suite on the fsdp backend, paired with the core's `hf` rollout engine.
+
+Runs in one process here, and with two under torchrun from test_two_processes.py.
+"""
+
+import pytest
+from gearshift.backends.hf_rollout import HFRolloutEngine
+from gearshift.conformance import PairSuite, TrainEngineSuite
+
+from gearshift_fsdp.engine import FSDPTrainEngine
+
+FP32 = {"param_dtype": "float32"}  # the suite compares with fp32 references; on a GPU the default computes in bf16
+
+
+class TestFSDPTrain(TrainEngineSuite):
+    @pytest.fixture
+    def train_engine_factory(self, gearshift_model):
+        return lambda **kw: FSDPTrainEngine(gearshift_model, **{**FP32, **kw})
+
+
+class TestFSDPWithHFRollout(PairSuite):
+    @pytest.fixture(scope="class")
+    def train_engine(self, gearshift_model):
+        return FSDPTrainEngine(gearshift_model, lr=1e-2, **FP32)
+
+    @pytest.fixture(scope="class")
+    def rollout_engine(self, gearshift_model):
+        return HFRolloutEngine(gearshift_model)

@@ -1,0 +1,63 @@
+"""The pieces the engine is made of, each on its own, in one process."""
+
+import pytest
+import torch
+from gearshift import registry
+from gearshift.mesh import MeshError, MeshSpec
+
+from gearshift_fsdp.engine import FSDPTrainEngine
+from gearshift_fsdp.offload import HostStash
+from gearshift_fsdp.parallelize import decoder_layers
+from gearshift_fsdp.placement import HybridShard
+
+
+def test_registered_as_train_backend_fsdp():
+    assert registry.load("train", "fsdp") is FSDPTrainEngine
+
+
+def test_host_stash_frees_the_storage_and_restores_it_bit_exactly():
+    # on a GPU the engine hands it device tensors; here host tensors exercise the same steps
+    a = torch.randn(1000)
+    flat = torch.randn(600)
+    grads = [flat[:200].view(10, 20), flat[200:]]  # two views of one storage, as FSDP's gradients are
+    keep = [a.clone(), flat.clone()]
+    ids = [id(a), id(grads[0]), id(grads[1])]
+    stash = HostStash()
+    assert stash.offload([a, *grads]) == a.nbytes + flat.nbytes  # the shared storage moves once
+    assert a.untyped_storage().nbytes() == 0 and flat.untyped_storage().nbytes() == 0
+    assert stash.restore() == a.nbytes + flat.nbytes
+    assert torch.equal(a, keep[0]) and torch.equal(flat, keep[1])
+    assert torch.equal(grads[0], keep[1][:200].view(10, 20)) and torch.equal(grads[1], keep[1][200:])
+    assert [id(a), id(grads[0]), id(grads[1])] == ids and len(stash) == 0
+
+
+def test_hybrid_shard_slices_are_chunks_within_each_group():
+    mesh = MeshSpec(dp=4)
+    placement = HybridShard(mesh, dim=0, replicate=2)  # ranks (0, 1) and (2, 3) each hold a copy
+    full = torch.arange(7 * 3).view(7, 3)
+    for rank in range(4):
+        (lo, hi), cols = placement.local_box((7, 3), rank)
+        assert torch.equal(full[lo:hi], torch.chunk(full, 2)[rank % 2]) and cols == (0, 3)
+    assert not placement.is_replicated() and HybridShard(mesh, replicate=4).is_replicated()
+    assert placement.local_box((1, 3), 1) == ((1, 1), (0, 3))  # a trailing rank may hold nothing
+    with pytest.raises(MeshError, match="must divide"):
+        HybridShard(mesh, replicate=3)
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "llama"])
+def test_decoder_layers_are_found(tmp_path, arch):
+    from gearshift.critic import ValueHeadModel
+    from gearshift.tiny import build_model
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(build_model(tmp_path / arch, preset="tiny", arch=arch))
+    assert decoder_layers(model) == list(model.model.layers)
+    assert decoder_layers(ValueHeadModel(model)) == list(model.model.layers)
+
+
+def test_a_plain_process_gets_a_group_of_one(gearshift_model):
+    import torch.distributed as dist
+
+    engine = FSDPTrainEngine(gearshift_model, param_dtype="float32")
+    assert dist.is_initialized() and dist.get_world_size() == 1
+    assert engine.mesh == MeshSpec(dp=1) and engine.device_mesh.mesh_dim_names == ("dp",)
