@@ -29,6 +29,7 @@ class ModelConfig:
 class DataConfig:
     path: str | None = None  # jsonl or parquet with a 'prompt' column; None: the built-in task
     task: str = "add"  # built-in task when path is None
+    task_options: dict[str, Any] = field(default_factory=lambda: {"digits": 1})
     prompt_key: str = "prompt"
     max_prompt_len: int = 64
     seed: int = 0
@@ -125,6 +126,10 @@ class Config:
             problems.append(f"rollout.n={r.n}: GRPO compares samples of one prompt, so use n >= 2")
         if a.kl_in not in ("loss", "reward"):
             problems.append(f"algorithm.kl_in={a.kl_in!r}: use 'loss' or 'reward'")
+        advantage = a.advantage or ("gae" if a.name == "ppo" else "grpo")
+        if a.kl_in == "reward" and a.kl_coef > 0 and advantage in ("grpo", "rloo"):
+            problems.append(f"algorithm.kl_in=reward needs per-token rewards, which {advantage} does not take: "
+                            f"set algorithm.kl_in=loss, or use advantage gae/reinforce")
         batch = run.prompts_per_step * r.n
         for key, size in (("train.mini_batch_size", t.mini_batch_size), ("train.micro_batch_size", t.micro_batch_size)):
             if size < 0:
@@ -170,6 +175,11 @@ def _coerce(value: Any, kind: Any, key: str) -> Any:
         return _build(kind, value, key)
     if kind is float and isinstance(value, (int, float)) and not isinstance(value, bool):
         return float(value)
+    if kind is float and isinstance(value, str):  # YAML reads '1e-3' (no dot) as a string
+        try:
+            return float(value)
+        except ValueError:
+            pass
     if kind in (int, str, bool) and type(value) is kind:
         return value
     if origin is list and isinstance(value, list):

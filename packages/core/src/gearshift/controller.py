@@ -7,7 +7,6 @@ train engine's own process group averages the gradients.
 
 from __future__ import annotations
 
-import math
 import random
 import statistics
 import time
@@ -18,7 +17,10 @@ from typing import Any, Callable
 import torch
 
 from . import checkpoint, dist as gdist, registry
-from .algos import compute_advantages, kl_estimate, kl_in_reward, make_policy_loss_fn, make_value_loss_fn
+from .algos import (
+    TOKENS_PER_SEQ, compute_advantages, kl_estimate, kl_in_reward, make_policy_loss_fn, make_value_loss_fn,
+    tokens_per_seq,
+)
 from .config import Config
 from .hybrid import HybridActor
 from .mesh import MeshSpec
@@ -53,8 +55,9 @@ class Controller:
         self.model_path = resolve_model(cfg.model.path) if self.rank == 0 else None
         self.model_path = _broadcast(self.model_path)
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
-        self.reward_fn = reward_fn if callable(reward_fn) else load_reward(reward_fn or cfg.reward.fn)
+        self.reward_fn = load_reward(reward_fn or cfg.reward.fn)
         self.data = dataset if dataset is not None else PromptDataset.from_config(cfg.data)
+        self.reward_fn.check_columns(self.data.columns)  # a missing column fails now, not after a rollout
         self.data.bind(self.tokenizer, max_prompt_len=cfg.data.max_prompt_len)
         train_mesh = MeshSpec.parse(cfg.train.mesh) if cfg.train.mesh else MeshSpec(dp=self.world)
         rollout_mesh = MeshSpec.parse(cfg.rollout.mesh) if cfg.rollout.mesh else MeshSpec(dp=self.world)
@@ -163,13 +166,10 @@ class Controller:
             text = x.text if x.text is not None else self.tokenizer.decode(x.token_ids, skip_special_tokens=True)
             x.text = text
             row = {k: v for k, v in rows[x.prompt_index].items() if k != "prompt_ids"}
-            value = self.reward_fn(text, **row)
-            if value is None:
-                continue
-            if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
-                raise TypeError(f"the reward function returned {value!r} for {text!r}: return a finite float or None")
-            kept.append(x)
-            rewards.append(float(value))
+            value = self.reward_fn(text, **row)  # checked: a finite float, or None to drop the sample
+            if value is not None:
+                kept.append(x)
+                rewards.append(value)
         return kept, rewards
 
     def _learn(self, kept: list[Rollout], rewards: list[float], timed) -> dict[str, float]:
@@ -212,6 +212,8 @@ class Controller:
         with timed("train"):
             for _ in range(a.epochs):
                 for mini in batch.micro_batches(cfg.train.mini_batch_size or None):
+                    # exact token means across micro-batches need each mini-batch's token counts
+                    mini.extras[TOKENS_PER_SEQ] = tokens_per_seq(mini.loss_mask)
                     train_metrics.append(self.policy.train_step(mini, self.policy_loss))
                     if self.critic is not None:
                         critic_m = self.critic.train_step(mini, self.value_loss)

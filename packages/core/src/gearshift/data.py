@@ -188,7 +188,7 @@ class PromptDataset:
         seed = getattr(cfg, "seed", 0)
         if getattr(cfg, "path", None):
             return cls.from_file(cfg.path, prompt_key=getattr(cfg, "prompt_key", "prompt"), seed=seed)
-        return cls.from_task(getattr(cfg, "task", "add"), seed=seed)
+        return cls.from_task(getattr(cfg, "task", "add"), seed=seed, **(getattr(cfg, "task_options", None) or {}))
 
     def __len__(self) -> int:
         return len(self.rows)

@@ -20,15 +20,18 @@ _OPS: dict[str, Callable[[int, int], int]] = {"+": lambda a, b: a + b, "-": lamb
                                               "*": lambda a, b: a * b}
 
 
-def arithmetic(n: int, *, seed: int = 0, digits: int = 2, ops: str = "+") -> list[dict]:
-    """`n` problems "a<op>b=" with operands of up to `digits` digits; subtraction never goes negative."""
+def arithmetic(n: int, *, seed: int = 0, digits: int = 2, ops: str = "+", max_operand: int | None = None) -> list[dict]:
+    """`n` problems "a<op>b=" with operands of up to `digits` digits (or up to `max_operand`);
+    subtraction never goes negative."""
     if digits < 1:
         raise ValueError(f"digits={digits} must be >= 1")
+    if max_operand is not None and max_operand < 1:
+        raise ValueError(f"max_operand={max_operand} must be >= 1")
     unknown = set(ops) - set(_OPS)
     if not ops or unknown:
         raise ValueError(f"ops={ops!r}: use any of {''.join(_OPS)!r}")
     rng = random.Random(seed)
-    top = 10**digits - 1
+    top = 10**digits - 1 if max_operand is None else max_operand
     rows = []
     for _ in range(n):
         op = rng.choice(ops)
@@ -39,9 +42,9 @@ def arithmetic(n: int, *, seed: int = 0, digits: int = 2, ops: str = "+") -> lis
     return rows
 
 
-def addition(n: int, *, seed: int = 0, digits: int = 2) -> list[dict]:
-    """The default job's task: "a+b=" with operands of up to `digits` digits."""
-    return arithmetic(n, seed=seed, digits=digits, ops="+")
+def addition(n: int, *, seed: int = 0, digits: int = 2, max_operand: int | None = None) -> list[dict]:
+    """The default job's task: "a+b=" with operands of up to `digits` digits (or up to `max_operand`)."""
+    return arithmetic(n, seed=seed, digits=digits, ops="+", max_operand=max_operand)
 
 
 def reverse(n: int, *, seed: int = 0, min_len: int = 3, max_len: int = 5) -> list[dict]:

@@ -1,0 +1,63 @@
+"""Starting points for the built-in tasks: a random model taught the answer *format*, not the answers.
+
+RL needs a policy that sometimes produces a well-formed answer. A model with
+random weights almost never does, so `format_warmup` fine-tunes it briefly on
+the task's prompts followed by answers drawn at random from the task's
+answer set: afterwards it answers in the right form, and is right about as
+often as chance. The RL job then has to learn the task itself.
+"""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import torch
+
+from .backends.torch_train import TorchTrainEngine
+from .conformance.train import nll
+from .tiny import build_model
+from .train import TrainBatch
+
+
+def format_warmup(base: str, out: str | Path, rows: list[dict], *, steps: int = 150, batch_size: int = 64,
+                  lr: float = 1e-3, seed: int = 0) -> str:
+    """Fine-tune `base` on `rows` with shuffled answers and save the result to `out` (a HF folder)."""
+    from transformers import AutoTokenizer
+
+    from .data import tokenize_prompts
+
+    tokenizer = AutoTokenizer.from_pretrained(base)
+    rng = random.Random(seed)
+    answers = [r["answer"] for r in rows]
+    prompts = tokenize_prompts(rows, tokenizer)
+    wrong = [tokenizer(rng.choice(answers), add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+             for _ in rows]
+    torch.manual_seed(seed)
+    engine = TorchTrainEngine(base, lr=lr, seed=seed)
+    for _ in range(steps):
+        pick = rng.sample(range(len(rows)), min(batch_size, len(rows)))
+        batch = TrainBatch.from_sequences([prompts[i] for i in pick], [wrong[i] for i in pick],
+                                          pad_id=tokenizer.pad_token_id)
+        engine.train_step(batch, nll)
+    engine.save_hf(str(out))
+    return str(out)
+
+
+#: the task options the '<preset>-<task>' models are warmed up with; the default job's data uses the same
+TASK_MODEL_OPTIONS = {"add": {"digits": 1}}
+
+
+def build_task_model(path: str | Path, preset: str, task: str, *, seed: int = 0, **task_options) -> str:
+    """The preset's random model after `format_warmup` on `task`, built once under `path`."""
+    from .tasks import make_task
+
+    path = Path(path)
+    done = path / "gearshift-warmup.done"
+    if done.exists():
+        return str(path)
+    base = build_model(path / "base", preset=preset, seed=seed)
+    rows = make_task(task, 2000, seed=seed + 1, **task_options)
+    format_warmup(base, path, rows, seed=seed)
+    done.write_text(f"{preset} {task} {task_options} seed={seed}\n")
+    return str(path)

@@ -1,0 +1,88 @@
+"""The RL loop on the reference pair: the Python API, PPO with a critic, and resuming a killed run."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from gearshift import Trainer
+from gearshift.metrics import read_jsonl
+
+FAST = {"checkpoint_every": 0, "progress": False, "samples_per_step": 0, "tensorboard": False, "plot": False,
+        "resume": "never"}
+
+
+def test_python_api_with_a_callable_reward_and_rows(gearshift_model, tmp_path):
+    from gearshift.data import PromptDataset
+
+    calls = []
+
+    def reward(completion, answer):
+        calls.append(answer)
+        return float(completion.strip() == answer)
+
+    rows = PromptDataset([{"prompt": f"{i}+1=", "answer": str(i + 1)} for i in range(8)])
+    history = Trainer(model=gearshift_model, reward=reward, dataset=rows, rollout={"n": 2, "max_tokens": 3},
+                      run={"steps": 2, "prompts_per_step": 4, "output_dir": str(tmp_path), **FAST}).train()
+    assert len(history) == 2 and len(calls) == 2 * 4 * 2
+    for key in ("reward/mean", "train/pg_loss", "train/grad_norm", "mismatch/logprob_max", "time/rollout",
+                "switch/load", "rollout/tokens_per_s", "memory/peak_gb"):
+        assert key in history[0], key
+    assert history[0]["mismatch/logprob_max"] < 1e-4  # fp32: rollout and train logprobs agree
+    assert [r["step"] for r in read_jsonl(tmp_path / "metrics.jsonl")] == [1, 2]
+
+
+def test_ppo_with_critic_and_kl_runs(gearshift_model, tmp_path):
+    def longer_is_better(completion):  # a random model earns it too, so advantages are not all zero
+        return len(completion) / 3
+
+    history = Trainer(model=gearshift_model, reward=longer_is_better,
+                      algorithm={"name": "ppo", "kl_coef": 0.05, "kl_in": "reward", "kl_estimator": "k1"},
+                      rollout={"n": 2, "max_tokens": 3},
+                      run={"steps": 2, "prompts_per_step": 4, "output_dir": str(tmp_path), **FAST}).train()
+    last = history[-1]
+    assert "train/critic/vf_loss" in last and "kl/ref" in last
+    assert abs(last["kl/ref"]) > 0  # the policy moved away from the frozen reference (k1 may be < 0)
+
+
+def _run(args, cwd, **kw):
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+    return subprocess.Popen([sys.executable, "-m", "gearshift", "train", *args], cwd=cwd, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **kw)
+
+
+def _overrides(model, out, steps=6):
+    return [f"model.path={model}", f"run.output_dir={out}", f"run.steps={steps}", "run.prompts_per_step=4",
+            "rollout.n=4", "rollout.max_tokens=3", "run.checkpoint_every=2", "run.tensorboard=false",
+            "run.plot=false", "run.progress=false", "run.samples_per_step=0"]
+
+
+def test_a_killed_run_resumes_where_its_last_checkpoint_left_off(gearshift_model, tmp_path):
+    reference = _run(_overrides(gearshift_model, tmp_path / "ref"), tmp_path)
+    killed_dir = tmp_path / "killed"
+    proc = _run(_overrides(gearshift_model, killed_dir), tmp_path)
+    metrics = killed_dir / "metrics.jsonl"
+    deadline = time.time() + 300
+    while len(read_jsonl(metrics)) < 3:  # step 3 logged; the step-2 checkpoint is complete
+        assert proc.poll() is None and time.time() < deadline, proc.communicate()[0]
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGKILL)  # mid step 4, before the step-4 checkpoint
+    proc.wait()
+    logged_before = len(read_jsonl(metrics))
+    resumed = _run(_overrides(gearshift_model, killed_dir), tmp_path)
+    out, _ = resumed.communicate(timeout=300)
+    assert resumed.returncode == 0, out
+    assert "resumed from" in out and "at step 2" in out, out
+    assert logged_before - 2 <= 2  # at most the steps since the last checkpoint are redone
+    ref_out, _ = reference.communicate(timeout=300)
+    assert reference.returncode == 0, ref_out
+    got, want = read_jsonl(metrics), read_jsonl(tmp_path / "ref" / "metrics.jsonl")
+    assert [r["step"] for r in got] == [1, 2, 3, 4, 5, 6]
+    for a, b in zip(got, want):  # continues as if never stopped
+        for key in ("reward/mean", "train/pg_loss", "train/grad_norm", "response_len/mean"):
+            assert a[key] == pytest.approx(b[key], rel=1e-5, abs=1e-7), (a["step"], key)
