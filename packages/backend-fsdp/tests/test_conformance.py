@@ -3,25 +3,29 @@
 Runs in one process here, and with two under torchrun from test_two_processes.py.
 """
 
+import json
+import os
+
 import pytest
 from gearshift.backends.hf_rollout import HFRolloutEngine
 from gearshift.conformance import PairSuite, TrainEngineSuite
 
 from gearshift_fsdp.engine import FSDPTrainEngine
 
-FP32 = {"param_dtype": "float32"}  # the suite compares with fp32 references; on a GPU the default computes in bf16
+# the suite compares with fp32 references (on a GPU the default computes in bf16); a launcher may add options
+OPTIONS = {"param_dtype": "float32", **json.loads(os.environ.get("GEARSHIFT_FSDP_OPTIONS", "{}"))}
 
 
 class TestFSDPTrain(TrainEngineSuite):
     @pytest.fixture
     def train_engine_factory(self, gearshift_model):
-        return lambda **kw: FSDPTrainEngine(gearshift_model, **{**FP32, **kw})
+        return lambda **kw: FSDPTrainEngine(gearshift_model, **{**OPTIONS, **kw})
 
 
 class TestFSDPWithHFRollout(PairSuite):
     @pytest.fixture(scope="class")
     def train_engine(self, gearshift_model):
-        return FSDPTrainEngine(gearshift_model, lr=1e-2, **FP32)
+        return FSDPTrainEngine(gearshift_model, lr=1e-2, **OPTIONS)
 
     @pytest.fixture(scope="class")
     def rollout_engine(self, gearshift_model):
