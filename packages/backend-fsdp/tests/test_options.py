@@ -42,6 +42,19 @@ def test_option_trains_exactly_like_the_default(gearshift_model, reference, opti
     assert_same(weights, reference[1])
 
 
+def test_micro_batches_accumulate_to_the_same_step(gearshift_model):
+    def per_sequence_nll(out, batch):  # a mean over sequences: micro-batches weigh in by their sequences
+        return -(out.logprobs * batch.loss_mask).sum() / batch.size, {}
+
+    results = []
+    for size in (None, 1):
+        engine = build(gearshift_model, micro_batch_size=size)
+        loss = engine.train_step(fixed_batch(), per_sequence_nll)["loss"]
+        results.append((loss, {n: p.grad.full_tensor() for n, p in engine._params.items()}))
+    assert results[1][0] == pytest.approx(results[0][0], rel=1e-6)  # the same sums, added in another order
+    assert_same(results[1][1], results[0][1], exact=False)
+
+
 @pytest.mark.skipif(gdist.world_size() < 4 or gdist.world_size() % 2,
                     reason="resharding to a smaller group needs a divisor of the dp size other than 1 and itself")
 def test_reshard_after_forward_to_a_smaller_group(gearshift_model, reference):
