@@ -61,3 +61,23 @@ def test_a_plain_process_gets_a_group_of_one(gearshift_model):
     engine = FSDPTrainEngine(gearshift_model, param_dtype="float32")
     assert dist.is_initialized() and dist.get_world_size() == 1
     assert engine.mesh == MeshSpec(dp=1) and engine.device_mesh.mesh_dim_names == ("dp",)
+
+
+def test_an_untied_head_is_its_own_weight(tmp_path, gearshift_model):
+    from gearshift.conformance.train import assert_same, fixed_batch, full_weights, nll
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(gearshift_model, tie_word_embeddings=False)
+    with torch.no_grad():
+        model.lm_head.weight.copy_(-model.model.embed_tokens.weight)  # the file holds no head: it is new here
+    model.save_pretrained(tmp_path / "untied")
+    engine = FSDPTrainEngine(str(tmp_path / "untied"), lr=1e-2, param_dtype="float32")
+    names = engine.weight_spec().names()
+    assert "lm_head.weight" in names and "model.embed_tokens.weight" in names
+    weights = full_weights(engine)
+    assert torch.equal(weights["lm_head.weight"], -weights["model.embed_tokens.weight"])
+    losses = [engine.train_step(fixed_batch(), nll)["loss"] for _ in range(3)]
+    assert losses[-1] < losses[0]
+    engine.save_hf(str(tmp_path / "saved"))
+    loaded = dict(AutoModelForCausalLM.from_pretrained(str(tmp_path / "saved")).named_parameters())
+    assert_same(full_weights(engine), {k: loaded[k].detach() for k in names})
