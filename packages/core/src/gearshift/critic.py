@@ -25,7 +25,7 @@ class ValueHeadModel(nn.Module):
         hidden = self.lm.base_model(
             input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=use_cache,
         ).last_hidden_state
-        return self.value_head(hidden).squeeze(-1).float()
+        return self.value_head(hidden)[..., 0].float().contiguous()
 
     def save_pretrained(self, path: str, **kw) -> None:
         from safetensors.torch import save_file

@@ -38,7 +38,23 @@ def init(backend: str | None = None, timeout_s: float = DEFAULT_TIMEOUT_S) -> No
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
-    faulthandler.dump_traceback_later(timeout_s + 30, repeat=True, file=sys.stderr, exit=False)
+    global _watchdog_s
+    _watchdog_s = timeout_s + 30
+    heartbeat()
+
+
+_watchdog_s: float | None = None
+
+
+def heartbeat() -> None:
+    """Re-arm the hang watchdog: a rank that makes no progress for the collective timeout dumps its stacks.
+
+    The RL loop calls this every step and every switch, so only a rank that is
+    stuck (in a collective, usually) dumps, and it does so once per timeout.
+    """
+    if _watchdog_s is not None:
+        faulthandler.cancel_dump_traceback_later()
+        faulthandler.dump_traceback_later(_watchdog_s, repeat=False, file=sys.stderr, exit=False)
 
 
 def barrier() -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
+from . import dist as gdist
 from .profiler import PhaseTimer, SwitchReport
 from .reshard import Resharder, StreamingResharder
 from .rollout import RolloutEngine, Rollout, SamplingParams
@@ -48,6 +49,7 @@ class HybridActor:
         """Make the rollout engine serve the train engine's current weights."""
         if self.mode == "rollout":
             raise ModeError("the actor is already in rollout mode")
+        gdist.heartbeat()
         timer = PhaseTimer(self.train.device, "to_rollout")
         if self.offload_tags:
             with timer.phase("offload") as ph:
@@ -70,6 +72,7 @@ class HybridActor:
         """Release the rollout engine's memory and bring the training state back."""
         if self.mode == "train":
             raise ModeError("the actor is already in train mode")
+        gdist.heartbeat()
         timer = PhaseTimer(self.train.device, "to_train")
         with timer.phase("sleep"):
             self.rollout.sleep(["kv_cache", "weights"])

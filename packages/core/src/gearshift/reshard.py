@@ -209,6 +209,7 @@ def stream_plan(
                 work.wait()
             for buf, where, tmp in pending:
                 buf[where] = tmp
+        ops = pending = work = buf = tmp = None  # else these hold this bucket's buffers while the next one is built
         yield WeightBucket(out, bucket.index)
 
 

@@ -77,7 +77,7 @@ class TorchTrainEngine(TrainEngine):
             lr=lr, weight_decay=weight_decay, betas=tuple(betas),
         )
         self._params = dict(self.model.named_parameters())
-        self._offloaded: set[str] = set()
+        self._host_grads: dict[str, torch.Tensor] = {}
 
     # --- sharding hooks -------------------------------------------------------------------
     def _check_mesh(self) -> None:
@@ -144,26 +144,33 @@ class TorchTrainEngine(TrainEngine):
         totals["lr"] = self.optimizer.param_groups[0]["lr"]
         return totals
 
-    def _tensors(self, tag: str):
+    def _slots(self, tag: str) -> list[tuple]:
+        """(get, put) for every tensor of `tag`; `put` stores a moved copy in its place."""
         if tag == "params":
-            return [p.data for p in self._params.values()], lambda i, t: setattr(list(self._params.values())[i], "data", t)
-        if tag == "grads":
-            ps = [p for p in self._params.values() if p.grad is not None]
-            return [p.grad for p in ps], lambda i, t: setattr(ps[i], "grad", t)
-        slots = [(st, k) for st in self.optimizer.state.values() for k, v in st.items() if torch.is_tensor(v)]
-        return [st[k] for st, k in slots], lambda i, t: slots[i][0].__setitem__(slots[i][1], t)
+            return [(lambda p=p: p.data, lambda t, p=p: setattr(p, "data", t)) for p in self._params.values()]
+        if tag == "grads":  # a CUDA parameter cannot hold a host gradient: offloaded grads wait beside it
+            def put(t, name, p):
+                if t.device.type == "cpu" and self.device.type != "cpu":
+                    self._host_grads[name], p.grad = t, None
+                else:
+                    self._host_grads.pop(name, None)
+                    p.grad = t
+            return [(lambda n=n, p=p: self._host_grads.get(n, p.grad), lambda t, n=n, p=p: put(t, n, p))
+                    for n, p in self._params.items() if p.grad is not None or n in self._host_grads]
+        return [(lambda st=st, k=k: st[k], lambda t, st=st, k=k: st.__setitem__(k, t))
+                for st in self.optimizer.state.values() for k, v in st.items() if torch.is_tensor(v)]
 
     def _move(self, tags: Sequence[str], target: torch.device) -> int:
         moved = 0
+        pin = target.type == "cpu" and torch.cuda.is_available()
         for tag in check_tags(tags, TRAIN_TAGS):
-            tensors, put = self._tensors(tag)
-            for i, t in enumerate(tensors):
+            for get, put in self._slots(tag):
+                t = get()
                 if t.device == target:
                     continue
-                pin = target.type == "cpu" and torch.cuda.is_available()
                 dst = torch.empty(t.shape, dtype=t.dtype, device=target, pin_memory=pin)
                 dst.copy_(t, non_blocking=True)
-                put(i, dst)
+                put(dst)
                 moved += t.numel() * t.element_size()
         gdist.synchronize(self.device)
         return moved

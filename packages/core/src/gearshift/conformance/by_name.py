@@ -26,6 +26,14 @@ def _name(config, kind: str) -> str:
     return name
 
 
+@pytest.fixture(autouse=True)
+def _tolerance(request):
+    """`--gearshift-atol` widens the log-probability tolerances (bf16 engines, GPUs)."""
+    atol = request.config.getoption("--gearshift-atol")
+    if atol is not None and request.instance is not None:
+        request.instance.logprob_atol = atol
+
+
 @pytest.fixture(scope="session")
 def named_rollout_engine(request, gearshift_model):
     engine = registry.create("rollout", _name(request.config, "rollout"), model=gearshift_model,

@@ -14,6 +14,7 @@ def _args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="tiny", help="model folder or preset (default tiny; fp32)")
     p.add_argument("--train-options", default="{}", help="JSON options for the train engine")
     p.add_argument("--rollout-options", default="{}", help="JSON options for the rollout engine")
+    p.add_argument("--atol", type=float, help="log-probability tolerance (default: the fp32 values of the suite)")
     p.add_argument("--budget", help="override the switch budgets, e.g. k=2,m=3 (see gearshift/budgets.yaml)")
     p.add_argument("pytest_args", nargs=argparse.REMAINDER, help="after '--': arguments for pytest (e.g. -x -k sync)")
 
@@ -41,6 +42,8 @@ def conformance(args: argparse.Namespace) -> int:
         argv += ["--gearshift-train", args.train]
     if args.rollout:
         argv += ["--gearshift-rollout", args.rollout]
+    if args.atol is not None:
+        argv += ["--gearshift-atol", str(args.atol)]
     if args.budget:
         argv += ["--gearshift-budget", args.budget]
     extra = [a for a in args.pytest_args if a != "--"]

@@ -23,6 +23,8 @@ def pytest_addoption(parser):
     group.addoption("--gearshift-train", default=None, help="train backend for the by-name suite")
     group.addoption("--gearshift-rollout", default=None, help="rollout backend for the by-name suite")
     group.addoption("--gearshift-options", default="{}", help="JSON: {'train': {...}, 'rollout': {...}} engine options")
+    group.addoption("--gearshift-atol", default=None, type=float,
+                    help="log-probability tolerance of the by-name suite (default: the suites' fp32 values)")
     group.addoption("--gearshift-budget", default=None,
                     help="override switch budgets, e.g. k=2,m=3,overhead_s=0.05 (see gearshift/budgets.yaml)")
     group.addoption("--runslow", action="store_true", default=False, help="run tests marked slow")
@@ -85,6 +87,7 @@ def _broadcast(value):
 def gearshift_shared_tmp_root():
     from .. import dist as gdist
 
+    gdist.init()  # under torchrun: join first, so every rank gets rank 0's folder
     path = _broadcast(tempfile.mkdtemp(prefix="gearshift-test-") if gdist.rank() == 0 else None)
     Path(path).mkdir(parents=True, exist_ok=True)
     yield Path(path)

@@ -1,0 +1,30 @@
+"""Every in-tree pair that runs on a CPU, through `gearshift conformance` as a user would run it."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from gearshift import registry
+
+PAIRS = [("torch", "hf"), ("fsdp", "hf"), ("torch", "vllm"), ("fsdp", "vllm")]
+
+
+def _ready(kind: str, name: str) -> bool:
+    return any(b.name == name and b.ready for b in registry.list_backends(kind))
+
+
+@pytest.mark.parametrize("train,rollout", PAIRS, ids=[f"{t}-{r}" for t, r in PAIRS])
+def test_conformance_of_pair(train, rollout, tmp_path):
+    missing = [f"{k} {n}" for k, n in (("train", train), ("rollout", rollout)) if not _ready(k, n)]
+    if missing and os.environ.get("CI"):
+        pytest.fail(f"{', '.join(missing)} not installed: tools/install.sh installs every in-tree backend")
+    if missing:
+        pytest.skip(f"{', '.join(missing)} not installed")
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "GEARSHIFT_CACHE": str(tmp_path / "cache")}
+    proc = subprocess.run([sys.executable, "-m", "gearshift", "conformance", "--train", train, "--rollout", rollout],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=1500)
+    tail = (proc.stdout + proc.stderr)[-4000:]
+    assert proc.returncode == 0, tail
+    assert " passed" in proc.stdout and " failed" not in proc.stdout, tail
