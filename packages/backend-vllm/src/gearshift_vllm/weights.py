@@ -1,0 +1,121 @@
+"""Weights in and out of a vLLM engine: the spec it asks for, and the streams it is fed.
+
+The spec names the weights as the trainer does (`AutoModelForCausalLM.named_parameters()`,
+so a tied lm_head is not there), with full shapes: vLLM's own loaders cut them
+for tensor parallelism. It is read from the model folder's config on the meta
+device, so no weights are loaded to learn it.
+
+On CPU, vLLM prepacks linear weights for oneDNN and re-packs a layer only once
+all of its weights have arrived (q, k and v together make one `qkv_proj`). A
+stream is therefore cut into *load units*, one per vLLM module, and a unit is
+passed on only when it is complete: a bad bucket found mid-stream then stops
+the load between units, never inside one, and the engine keeps serving.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Iterable, Iterator, Mapping
+
+import torch
+
+from gearshift.mesh import MeshSpec, Placement
+from gearshift.weights import ParamSpec, WeightBucket, WeightError, WeightSpec
+
+
+def hf_weight_spec(model_path: str, mesh: MeshSpec, dtype: torch.dtype) -> WeightSpec:
+    """The trainable weights of the model at `model_path`, named as transformers names them, whole on every rank."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(model_path)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    placement = Placement.replicated(mesh)
+    params = tuple(ParamSpec(name, tuple(p.shape), dtype, placement) for name, p in model.named_parameters())
+    return WeightSpec(mesh, params)
+
+
+def load_units(names: Iterable[str], modules: set[str], packed: Mapping[str, list[str]]) -> dict[str, str]:
+    """name -> the vLLM module its weight loads into (the unit that must arrive whole).
+
+    `packed` is the model's `packed_modules_mapping` ({"qkv_proj": ["q_proj", ...]}); a
+    name whose module vLLM does not have maps to its nearest ancestor that it has.
+    """
+    fused = {part: whole for whole, parts in packed.items() for part in parts}
+    units = {}
+    for name in names:
+        module = name.rpartition(".")[0]
+        parent, _, leaf = module.rpartition(".")
+        if leaf in fused and _join(parent, fused[leaf]) in modules:
+            units[name] = _join(parent, fused[leaf])
+            continue
+        while module and module not in modules:
+            module = module.rpartition(".")[0]
+        units[name] = module
+    return units
+
+
+def _join(parent: str, leaf: str) -> str:
+    return f"{parent}.{leaf}" if parent else leaf
+
+
+class UnitFeeder:
+    """Checks a bucket stream and yields (name, tensor) one whole load unit at a time.
+
+    Every bucket is checked against the spec before any of it moves on. Pieces of a
+    unit are held (references, no copies) until the unit is complete. A bad bucket,
+    or an error in the stream itself, ends the iteration cleanly: `error` holds it,
+    held pieces are dropped, and what was yielded before is whole units only.
+    """
+
+    def __init__(self, buckets: Iterable[WeightBucket], spec: WeightSpec, units: Mapping[str, str],
+                 rank: int = 0, check: Callable[[WeightBucket], None] | None = None) -> None:
+        self._buckets = buckets
+        self._spec = spec
+        self._rank = rank
+        self._units = units
+        self._members: dict[str, set[str]] = {}
+        for name, unit in units.items():
+            self._members.setdefault(unit, set()).add(name)
+        self._check = check
+        self.error: BaseException | None = None
+        self.loaded_names: list[str] = []
+        self.bytes = 0
+        self.incomplete: dict[str, list[str]] = {}
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        held: dict[str, dict[str, torch.Tensor]] = {}
+        try:
+            for bucket in self._buckets:
+                self._spec.check(bucket.tensors, self._rank)
+                if self._check is not None:
+                    self._check(bucket)
+                for name, tensor in bucket.items():
+                    unit = self._units[name]
+                    pieces = held.setdefault(unit, {})
+                    pieces[name] = tensor
+                    if len(pieces) == len(self._members[unit]):
+                        del held[unit]
+                        for n, t in pieces.items():
+                            self.loaded_names.append(n)
+                            self.bytes += t.numel() * t.element_size()
+                            yield n, t
+                del bucket
+        except Exception as e:  # noqa: BLE001 - handed back to the caller after vLLM finished the load
+            self.error = e
+        self.incomplete = {u: sorted(self._members[u] - set(p)) for u, p in held.items()}
+
+    def raise_if_failed(self) -> None:
+        if self.error is not None:
+            note = (f" ({len(self.loaded_names)} weights from the buckets before it were applied, in whole "
+                    f"layers; the rest kept their old values)" if self.loaded_names else
+                    " (no weight was applied)")
+            if isinstance(self.error, WeightError):
+                raise WeightError(f"{self.error}{note}") from self.error
+            raise self.error
+        if self.incomplete:
+            unit, missing = next(iter(self.incomplete.items()))
+            raise WeightError(
+                f"{sum(len(m) for m in self.incomplete.values())} weights were missing from {len(self.incomplete)} "
+                f"layers that were only partly sent, first {unit!r} without {missing}: vLLM on CPU repacks a layer "
+                f"as a whole, so send all of its weights in one update (those layers kept their old values)"
+            )

@@ -1,0 +1,71 @@
+"""Sampling as the RL loop needs it: raw logprobs, seeds, stop strings, the context limit."""
+
+import pytest
+
+from gearshift.conformance.util import PROMPTS
+from gearshift.rollout import RolloutError, SamplingParams
+
+
+@pytest.fixture
+def engine(vllm_engine):
+    return vllm_engine
+
+
+def test_logprobs_are_the_model_own_whatever_the_sampling(engine, transformers_diff):
+    # temperature, top-k and top-p shape what is sampled, never the logprobs reported
+    out = engine.generate(PROMPTS, SamplingParams(n=3, temperature=0.6, top_k=5, top_p=0.9, max_tokens=8, seed=1))
+    assert transformers_diff(out) <= 1e-4
+    greedy = engine.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=8))
+    assert transformers_diff(greedy) <= 1e-4
+
+
+def test_top_k_one_is_greedy(engine):
+    greedy = engine.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=8))
+    top1 = engine.generate(PROMPTS, SamplingParams(temperature=1.0, top_k=1, max_tokens=8, seed=5))
+    assert [r.token_ids for r in top1] == [r.token_ids for r in greedy]
+
+
+def test_a_seed_repeats_a_call_and_samples_differ_within_it(engine):
+    sampling = SamplingParams(n=4, temperature=1.0, max_tokens=8, seed=7)
+    a, b = engine.generate(PROMPTS, sampling), engine.generate(PROMPTS, sampling)
+    assert [r.token_ids for r in a] == [r.token_ids for r in b]
+    assert [r.logprobs for r in a] == [r.logprobs for r in b]
+    assert len({tuple(r.token_ids) for r in a}) == len(a), "samples of one call repeat each other"
+    other = engine.generate(PROMPTS, SamplingParams(n=4, temperature=1.0, max_tokens=8, seed=8))
+    assert [r.token_ids for r in other] != [r.token_ids for r in a]
+
+
+def test_a_stop_string_ends_the_sample_at_the_token_that_completes_it(engine):
+    def sampling(seed, stop=()):
+        return SamplingParams(n=8, temperature=1.0, max_tokens=16, seed=seed, stop=stop)
+
+    # find a sample with a printable character that first appears after its first token
+    for seed in range(20):
+        for r in engine.generate(PROMPTS[:1], sampling(seed)):
+            texts = [engine._tokenizer.decode(r.token_ids[:k + 1]) for k in range(len(r.token_ids))]
+            chars = [c for c in texts[-1] if c.isalnum() and c not in texts[0]]
+            if chars:
+                break
+        else:
+            continue
+        break
+    else:
+        pytest.fail("no sample had a usable stop character")
+    end = next(k for k, text in enumerate(texts) if chars[0] in text)
+    stopped = engine.generate(PROMPTS[:1], sampling(seed, stop=(chars[0],)))[r.sample_index]
+    assert stopped.token_ids == r.token_ids[:end + 1]  # same seed: the same tokens, up to the stop
+    assert stopped.finish_reason == "stop"
+    assert chars[0] in stopped.text
+
+
+def test_generation_stops_at_the_end_of_the_context(engine):
+    prompt = [65 + i % 26 for i in range(engine.max_model_len - 3)]
+    out = engine.generate([prompt], SamplingParams(temperature=0.0, max_tokens=8))
+    assert len(out[0].token_ids) <= 3
+    assert out[0].finish_reason == "length" or len(out[0].token_ids) < 3
+
+
+def test_token_ids_outside_the_vocabulary_are_a_clear_error(engine):
+    with pytest.raises(RolloutError, match="outside"):
+        engine.generate([[1, 2, 10**6]], SamplingParams(max_tokens=2))
+    assert len(engine.generate(PROMPTS, SamplingParams(max_tokens=2))) == len(PROMPTS)
