@@ -63,11 +63,12 @@ class Controller:
         rollout_mesh = MeshSpec.parse(cfg.rollout.mesh) if cfg.rollout.mesh else MeshSpec(dp=self.world)
         common = dict(model=self.model_path, dtype=cfg.model.dtype)
         t = cfg.train
-        train_opts = dict(common, mesh=train_mesh, lr=t.lr, weight_decay=t.weight_decay,
-                          max_grad_norm=t.max_grad_norm, micro_batch_size=t.micro_batch_size or None,
-                          seed=cfg.run.seed, **t.options)
+        train_opts = {**common, "mesh": train_mesh, "lr": t.lr, "weight_decay": t.weight_decay,
+                      "max_grad_norm": t.max_grad_norm, "micro_batch_size": t.micro_batch_size or None,
+                      "seed": cfg.run.seed, **t.options}
         self.policy = registry.create("train", t.backend, **train_opts)
-        rollout = registry.create("rollout", cfg.rollout.backend, mesh=rollout_mesh, **common, **cfg.rollout.options)
+        rollout = registry.create("rollout", cfg.rollout.backend, **{**common, "mesh": rollout_mesh,
+                                                                      **cfg.rollout.options})
         self.actor = HybridActor(self.policy, rollout)
         a = cfg.algorithm
         self.reference = None

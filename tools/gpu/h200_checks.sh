@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# GPU checks on a CUDA machine with no network (the lent H200): the fsdp + hf pair through the
+# conformance suite in bf16 on a 0.5B-shape random Qwen2, the switch benchmark beside a plain device
+# copy of the same bytes, and a few GRPO steps. Wheels of gearshift, gearshift-fsdp and stevedore
+# travel in .whl/ (build them with tools/gpu/make_wheels.sh).
+#   tools/gpu/h200_checks.sh conformance|bench|grpo|fsdp-tests [OUT]
+set -uo pipefail
+what=${1:?what to run}; out=${2:-${OUT:-/tmp/out}}
+mkdir -p "$out"
+if [ ! -d /tmp/site/gearshift ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 1
+fi
+export PYTHONPATH=/tmp/site:${PYTHONPATH:-} PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
+export GEARSHIFT_CACHE=/tmp/gscache CUBLAS_WORKSPACE_CONFIG=:4096:8
+bf16='{"dtype": "bfloat16"}'
+case "$what" in
+  conformance)
+    python3 -m gearshift env
+    python3 -m gearshift conformance --train fsdp --rollout hf --model qwen2-0.5b \
+      --rollout-options "$bf16" --atol 0.5 -- -rA --junitxml "$out/conformance.xml" 2>&1 | tee "$out/conformance.log" ;;
+  bench)
+    python3 -m gearshift bench switch --train fsdp --rollout hf --model qwen2-0.5b --rollout-options "$bf16" \
+      --switches 5 --out "$out" 2>&1 | tee "$out/bench.log" ;;
+  grpo)
+    python3 -m gearshift train model.path=qwen2-0.5b train.backend=fsdp rollout.backend=hf \
+      rollout.options="$bf16" run.steps=4 run.prompts_per_step=16 rollout.n=8 run.checkpoint_every=2 \
+      run.output_dir="$out/grpo" run.progress=false 2>&1 | tee "$out/grpo.log" ;;
+  fsdp-tests)
+    python3 -m pytest packages/backend-fsdp/tests -m gpu -rA -p no:cacheprovider 2>&1 | tee "$out/fsdp-gpu.log" ;;
+esac
