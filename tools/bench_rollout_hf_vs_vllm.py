@@ -31,6 +31,14 @@ def build(model: str, work: Path) -> str:
     return build_model(work / f"model-{model}", preset=model)
 
 
+def sync_device(result):
+    import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    return result
+
+
 def median_seconds(fn, repeats: int) -> tuple[float, object]:
     times, result = [], None
     for _ in range(repeats):
@@ -49,6 +57,10 @@ def main() -> int:
     p.add_argument("--prompt-len", type=int, default=16)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--threads", default="1,2", help="comma-separated torch thread counts to try")
+    p.add_argument("--stop-tokens", type=int, default=0,
+                   help="treat this many token ids as stop tokens, so samples end at ragged lengths as in RL "
+                        "(a random model otherwise always runs to --max-tokens)")
+    p.add_argument("--dtype", default="float32", help="weights and compute dtype of both engines")
     p.add_argument("--work-dir", default=str(Path(tempfile.gettempdir()) / "gearshift-bench"))
     p.add_argument("--json", default=None, help="write the rows to this file")
     args = p.parse_args()
@@ -65,15 +77,16 @@ def main() -> int:
     path = build(args.model, work)
     g = torch.Generator().manual_seed(0)
     batch = torch.randint(32, 250, (args.prompts, args.prompt_len), generator=g).tolist()
-    sampling = SamplingParams(n=args.n, temperature=1.0, max_tokens=args.max_tokens, seed=0)
+    sampling = SamplingParams(n=args.n, temperature=1.0, max_tokens=args.max_tokens, seed=0,
+                              stop_token_ids=tuple(range(32, 32 + args.stop_tokens)))
     host_threads = torch.get_num_threads()
     thread_counts = [int(t) for t in args.threads.split(",")]
 
     t0 = time.perf_counter()
-    vllm_engine = VLLMRolloutEngine(path, cache_dir=str(work / "vllm-cache"), kv_cache_bytes=1 << 30)
+    vllm_engine = VLLMRolloutEngine(path, dtype=args.dtype, cache_dir=str(work / "vllm-cache"), kv_cache_bytes=1 << 30)
     start_s = time.perf_counter() - t0
-    hf_engine = HFRolloutEngine(path)
-    weights = reference_weights(path, vllm_engine.weight_spec())
+    hf_engine = HFRolloutEngine(path, dtype=args.dtype)
+    weights = {k: v.to(vllm_engine.device) for k, v in reference_weights(path, vllm_engine.weight_spec()).items()}
 
     rows = []
     for threads in thread_counts:
@@ -83,7 +96,8 @@ def main() -> int:
             engine.generate(batch[:4], sampling)  # warm-up
             secs, out = median_seconds(lambda: engine.generate(batch, sampling), args.repeats)
             tokens = sum(len(r.token_ids) for r in out)
-            load_s, _ = median_seconds(lambda: engine.update_weights([WeightBucket(dict(weights))]), args.repeats)
+            load_s, _ = median_seconds(lambda: sync_device(engine.update_weights([WeightBucket(dict(weights))])),
+                                       args.repeats)
             rows.append({"backend": name, "threads": threads, "sequences": len(out), "tokens": tokens,
                          "seconds": round(secs, 4), "tokens_per_s": round(tokens / secs, 1),
                          "update_weights_s": round(load_s, 4)})
@@ -91,7 +105,7 @@ def main() -> int:
     vllm_engine.close()
 
     print(f"model {args.model} ({path}), {args.prompts} prompts x n={args.n}, up to {args.max_tokens} new tokens, "
-          f"prompt length {args.prompt_len}; vLLM engine start {start_s:.1f} s")
+          f"prompt length {args.prompt_len}, {args.stop_tokens} stop tokens; vLLM engine start {start_s:.1f} s")
     print(f"{'backend':8} {'threads':>7} {'tokens':>7} {'seconds':>8} {'tokens/s':>9} {'update_weights':>15}")
     for r in rows:
         print(f"{r['backend']:8} {r['threads']:>7} {r['tokens']:>7} {r['seconds']:>8.3f} {r['tokens_per_s']:>9.1f} "

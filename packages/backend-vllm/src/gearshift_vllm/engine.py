@@ -236,14 +236,18 @@ class VLLMRolloutEngine(RolloutEngine):
         return feeder.bytes
 
     def _load_gpu(self, buckets: Iterable[WeightBucket]) -> int:
-        loaded = 0
+        loaded, applied = 0, 0
         try:
             with self._calling_vllm():
                 for bucket in buckets:
-                    self._spec.check(bucket.tensors, self.rank)
+                    try:
+                        self._spec.check(bucket.tensors, self.rank)
+                    except WeightError as e:
+                        raise WeightError(f"{e} ({applied} weights from the buckets before it were applied)") from e
                     items = list(bucket.items())
                     self._llm.apply_model(lambda model, items=items: model.load_weights(iter(items)))
                     loaded += bucket.nbytes
+                    applied += len(items)
                     del items, bucket
         finally:
             self.reset_cache()
