@@ -21,10 +21,20 @@ case "$what" in
   bench)
     python3 -m gearshift bench switch --train fsdp --rollout hf --model qwen2-0.5b --rollout-options "$bf16" \
       --switches 5 --out "$out" 2>&1 | tee "$out/bench.log" ;;
-  grpo)
-    python3 -m gearshift train model.path=qwen2-0.5b train.backend=fsdp rollout.backend=hf \
+  grpo)  # a random model earns no reward: the entropy bonus gives the update a gradient all the same
+    python3 -m gearshift train model.path=qwen2-0.5b train.backend=fsdp rollout.backend="${ROLLOUT:-hf}" \
       rollout.options="$bf16" run.steps=4 run.prompts_per_step=16 rollout.n=8 run.checkpoint_every=2 \
-      run.output_dir="$out/grpo" run.progress=false 2>&1 | tee "$out/grpo.log" ;;
+      algorithm.entropy_coef=0.01 run.output_dir="$out/grpo-${ROLLOUT:-hf}" run.progress=false 2>&1 \
+      | tee "$out/grpo-${ROLLOUT:-hf}.log" ;;
+  vllm)  # after ../shared/tools/vllm-on-h200 put vLLM 0.24 in /tmp/site
+    export VLLM_ENABLE_V1_MULTIPROCESSING=0 VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_CACHE_ROOT=/tmp/vllm_cache
+    timeout 300 python3 -m gearshift conformance --train fsdp --rollout vllm --model qwen2-0.5b \
+      --rollout-options "$bf16" --atol 0.5 -- -rA -p no:logging 2>&1 | tee "$out/vllm-conformance.log" | tail -60
+    timeout 120 python3 -m gearshift bench switch --train fsdp --rollout vllm --model qwen2-0.5b \
+      --rollout-options "$bf16" --switches 5 --out "$out" 2>&1 | tail -25
+    timeout 120 python3 -m gearshift bench rollout --backends hf,vllm --model qwen2-0.5b --prompts 32 --n 4 \
+      --max-tokens 128 --options '{"hf": {"dtype": "bfloat16"}, "vllm": {"dtype": "bfloat16"}}' 2>&1 | tail -5
+    ROLLOUT=vllm timeout 150 bash "$0" grpo "$out" 2>&1 | grep -v "Loading\|Writing" | tail -8 ;;
   fsdp-tests)
     python3 -m pytest packages/backend-fsdp/tests -m gpu -rA -p no:cacheprovider 2>&1 | tee "$out/fsdp-gpu.log" ;;
 esac

@@ -20,7 +20,7 @@ from .tiny import build_model
 from .train import TrainBatch
 
 
-def format_warmup(base: str, out: str | Path, rows: list[dict], *, steps: int = 150, batch_size: int = 64,
+def format_warmup(base: str, out: str | Path, rows: list[dict], *, steps: int = 40, batch_size: int = 64,
                   lr: float = 1e-3, seed: int = 0) -> str:
     """Fine-tune `base` on `rows` with shuffled answers and save the result to `out` (a HF folder)."""
     from transformers import AutoTokenizer
@@ -45,7 +45,7 @@ def format_warmup(base: str, out: str | Path, rows: list[dict], *, steps: int = 
 
 
 #: the task options the '<preset>-<task>' models are warmed up with; the default job's data uses the same
-TASK_MODEL_OPTIONS = {"add": {"digits": 1}}
+TASK_MODEL_OPTIONS = {"add": {"digits": 1, "max_operand": 3}}
 
 
 def build_task_model(path: str | Path, preset: str, task: str, *, seed: int = 0, **task_options) -> str:
@@ -54,10 +54,11 @@ def build_task_model(path: str | Path, preset: str, task: str, *, seed: int = 0,
 
     path = Path(path)
     done = path / "gearshift-warmup.done"
-    if done.exists():
+    recipe = f"{preset} {task} {sorted(task_options.items())} seed={seed} warmup=v2\n"
+    if done.exists() and done.read_text() == recipe:
         return str(path)
     base = build_model(path / "base", preset=preset, seed=seed)
     rows = make_task(task, 2000, seed=seed + 1, **task_options)
     format_warmup(base, path, rows, seed=seed)
-    done.write_text(f"{preset} {task} {task_options} seed={seed}\n")
+    done.write_text(recipe)
     return str(path)
