@@ -128,12 +128,17 @@ class VLLMRolloutEngine(RolloutEngine):
         kwargs.update(engine_kwargs or {})
 
         self._owns_process_group = not gdist.is_distributed()
-        with contained(engine_environment(self.cache_dir), cache_paths(self.cache_dir)["tmp"]) as host:
+        self._call_env = call_environment(self.cache_dir, exact_fp32=self.dtype == torch.float32)
+        with contained({**engine_environment(self.cache_dir), **self._call_env},
+                       cache_paths(self.cache_dir)["tmp"]) as host:
             vllm = import_vllm()
             self._vllm = vllm
             self._llm = vllm.LLM(**kwargs)
-        #: variables vLLM changed that were put back (for `gearshift env` and debugging)
+            self._matmul_precision = torch.get_float32_matmul_precision()
+        #: variables vLLM set for itself, put back for the host and set again around each call into vLLM
         self.host_changes = host.changed_env
+        self._call_env = {**{k: now for k, (_, now) in host.changed_env.items() if now is not None},
+                          **self._call_env}
 
         self.max_model_len = int(self._llm.llm_engine.model_config.max_model_len)
         self._tokenizer = self._llm.get_tokenizer()
@@ -153,8 +158,8 @@ class VLLMRolloutEngine(RolloutEngine):
     @contextmanager
     def _calling_vllm(self):
         """Around every call into vLLM: its thread count, files under `cache_dir`, the host's state kept."""
-        with contained(call_environment(self.cache_dir), cache_paths(self.cache_dir)["tmp"]), \
-                threads(self.num_threads):
+        with contained(self._call_env, cache_paths(self.cache_dir)["tmp"]), threads(self.num_threads):
+            torch.set_float32_matmul_precision(self._matmul_precision)
             yield
 
     # --- generation -----------------------------------------------------------------------

@@ -101,6 +101,7 @@ class HostState:
 
     threads: int
     set_num_threads: object
+    matmul_precision: str  # vLLM's GPU worker sets torch.set_float32_matmul_precision for the process
     environ: dict[str, str]
     rng: RngState
     tempdir: str | None
@@ -108,13 +109,15 @@ class HostState:
 
     @classmethod
     def capture(cls) -> "HostState":
-        return cls(torch.get_num_threads(), torch.set_num_threads, dict(os.environ), RngState.capture(),
-                   tempfile.tempdir)
+        return cls(torch.get_num_threads(), torch.set_num_threads, torch.get_float32_matmul_precision(),
+                   dict(os.environ), RngState.capture(), tempfile.tempdir)
 
     def restore(self) -> None:
-        """Put back threads, `torch.set_num_threads`, the generators, `tempfile.tempdir` and non-vLLM variables."""
+        """Put back threads, `torch.set_num_threads`, matmul precision, the generators, `tempfile.tempdir`
+        and non-vLLM variables."""
         torch.set_num_threads = self.set_num_threads
         torch.set_num_threads(self.threads)
+        torch.set_float32_matmul_precision(self.matmul_precision)
         self.rng.restore()
         tempfile.tempdir = self.tempdir
         for key in set(os.environ) | set(self.environ):
@@ -130,9 +133,17 @@ class HostState:
                 os.environ[key] = before
 
 
-def call_environment(root: str | os.PathLike) -> dict[str, str]:
-    """What each engine call needs set: vLLM's sampler compiles small kernels with inductor on first use."""
-    return {"TORCHINDUCTOR_CACHE_DIR": str(cache_paths(root)["inductor"])}
+def call_environment(root: str | os.PathLike, exact_fp32: bool) -> dict[str, str]:
+    """What vLLM needs set while it runs, beyond what it set itself at start-up.
+
+    Its sampler compiles small kernels with inductor on first use (they go under `root`).
+    `exact_fp32`: Triton turns fp32 dot products into TF32 unless told otherwise, which
+    puts the GPU attention kernels' logprobs ~1e-4 away from the trainer's.
+    """
+    env = {"TORCHINDUCTOR_CACHE_DIR": str(cache_paths(root)["inductor"])}
+    if exact_fp32 and "TRITON_F32_DEFAULT" not in os.environ:
+        env["TRITON_F32_DEFAULT"] = "ieee"
+    return env
 
 
 @contextmanager
