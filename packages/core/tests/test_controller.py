@@ -27,7 +27,8 @@ def test_python_api_with_a_callable_reward_and_rows(gearshift_model, tmp_path):
         return float(completion.strip() == answer)
 
     rows = PromptDataset([{"prompt": f"{i}+1=", "answer": str(i + 1)} for i in range(8)])
-    history = Trainer(model=gearshift_model, reward=reward, dataset=rows, rollout={"n": 2, "max_tokens": 3},
+    history = Trainer(model=gearshift_model, reward=reward, dataset=rows, rollout={"n": 2, "max_tokens": 3, "backend": "hf"},
+                      train={"backend": "torch"},
                       run={"steps": 2, "prompts_per_step": 4, "output_dir": str(tmp_path), **FAST}).train()
     assert len(history) == 2 and len(calls) == 2 * 4 * 2
     for key in ("reward/mean", "train/pg_loss", "train/grad_norm", "mismatch/logprob_max", "time/rollout",
@@ -43,7 +44,7 @@ def test_ppo_with_critic_and_kl_runs(gearshift_model, tmp_path):
 
     history = Trainer(model=gearshift_model, reward=longer_is_better,
                       algorithm={"name": "ppo", "kl_coef": 0.05, "kl_in": "reward", "kl_estimator": "k1"},
-                      rollout={"n": 2, "max_tokens": 3},
+                      rollout={"n": 2, "max_tokens": 3, "backend": "hf"}, train={"backend": "torch"},
                       run={"steps": 2, "prompts_per_step": 4, "output_dir": str(tmp_path), **FAST}).train()
     last = history[-1]
     assert "train/critic/vf_loss" in last and "kl/ref" in last
@@ -57,7 +58,7 @@ def _run(args, cwd, **kw):
 
 
 def _overrides(model, out, steps=6):
-    return [f"model.path={model}", f"run.output_dir={out}", f"run.steps={steps}", "run.prompts_per_step=4",
+    return [f"model.path={model}", f"run.output_dir={out}", "rollout.backend=hf", "train.backend=torch", f"run.steps={steps}", "run.prompts_per_step=4",
             "rollout.n=4", "rollout.max_tokens=3", "run.checkpoint_every=2", "run.tensorboard=false",
             "run.plot=false", "run.progress=false", "run.samples_per_step=0"]
 

@@ -28,10 +28,16 @@ def test_installed_reference_backends_load_by_short_name():
     assert {("rollout", "hf"), ("train", "torch"), ("reshard", "stream"), ("reshard", "naive")} <= names
 
 
-def test_missing_backend_names_the_package_to_install():
+def test_missing_backend_names_the_package_to_install(monkeypatch):
     registry.use_manager("train", ExtensionManager.make_test_instance([]))
-    with pytest.raises(BackendError, match="pip install gearshift-deepspeed"):
-        registry.load("train", "deepspeed")
+    monkeypatch.setitem(registry.KNOWN_PACKAGES, ("train", "megatron"),
+                        ("gearshift-megatron-not-a-real-dist", "pip install gearshift-megatron-not-a-real-dist"))
+    with pytest.raises(BackendError, match="not installed: pip install gearshift-megatron-not-a-real-dist"):
+        registry.load("train", "megatron")
+    # an installed package that registers no engine says so rather than asking for an install
+    monkeypatch.setitem(registry.KNOWN_PACKAGES, ("train", "stevedore-engine"), ("stevedore", "pip install stevedore"))
+    with pytest.raises(BackendError, match="stevedore is installed but registers no engine yet"):
+        registry.load("train", "stevedore-engine")
     with pytest.raises(BackendError, match="no train backend named 'nope'"):
         registry.load("train", "nope")
     with pytest.raises(BackendError, match="unknown backend kind"):

@@ -29,7 +29,7 @@ class ModelConfig:
 class DataConfig:
     path: str | None = None  # jsonl or parquet with a 'prompt' column; None: the built-in task
     task: str = "add"  # built-in task when path is None
-    task_options: dict[str, Any] = field(default_factory=lambda: {"digits": 1, "max_operand": 3})
+    task_options: dict[str, Any] = field(default_factory=lambda: {"digits": 1, "second": 1})
     prompt_key: str = "prompt"
     max_prompt_len: int = 64
     seed: int = 0
@@ -37,7 +37,7 @@ class DataConfig:
 
 @dataclass
 class RolloutConfig:
-    backend: str = "hf"
+    backend: str = "vllm"
     n: int = 8  # samples per prompt (the GRPO group)
     temperature: float = 1.0
     top_p: float = 1.0
@@ -50,7 +50,7 @@ class RolloutConfig:
 
 @dataclass
 class TrainConfig:
-    backend: str = "torch"
+    backend: str = "fsdp"
     lr: float = 3e-4
     weight_decay: float = 0.0
     max_grad_norm: float = 1.0
@@ -87,11 +87,11 @@ class RewardConfig:
 
 @dataclass
 class RunConfig:
-    steps: int = 200
+    steps: int = 120
     prompts_per_step: int = 32
     seed: int = 0
     output_dir: str = "runs/default"
-    checkpoint_every: int = 50  # 0: never
+    checkpoint_every: int = 40  # 0: never
     resume: str = "auto"  # auto | never | a checkpoint folder
     tensorboard: bool = True
     wandb: bool = False

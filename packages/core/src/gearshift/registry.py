@@ -45,6 +45,7 @@ class BackendInfo:
     error: str | None = None  # import failure or conflict
     missing: list[str] = field(default_factory=list)  # distributions its engine needs
     install: str = ""
+    placeholder: bool = False  # the package is installed but registers no engine of this name
 
     @property
     def ready(self) -> bool:
@@ -55,7 +56,7 @@ class BackendInfo:
         if self.error:
             return f"broken: {self.error}"
         if self.cls is None:
-            return f"not installed: {self.install}"
+            return self.install if self.placeholder else f"not installed: {self.install}"
         if self.missing:
             hint = f"; {self.install}" if self.install else ""
             return f"needs {', '.join(self.missing)}{hint}"
@@ -155,10 +156,11 @@ def list_backends(kind: str | None = None) -> list[BackendInfo]:
             if kk == k and name not in by_name:
                 try:
                     md.version(package)
-                    install = f"{package} is installed but registers no {k} engine '{name}' in this version"
+                    rows.append(BackendInfo(k, name, package, placeholder=True,
+                                            install=f"package installed; it registers no engine yet ({name} is "
+                                                    f"future work)"))
                 except md.PackageNotFoundError:
-                    pass
-                rows.append(BackendInfo(k, name, package, install=install))
+                    rows.append(BackendInfo(k, name, package, install=install))
     return rows
 
 
@@ -171,6 +173,8 @@ def load(kind: str, name: str) -> type:
         raise BackendError(f"no {kind} backend named {name!r}; installed: {names or 'none'}")
     if info.error:
         raise BackendError(f"{kind} backend {name!r} ({info.package}) cannot be loaded: {info.error}")
+    if info.cls is None and info.placeholder:
+        raise BackendError(f"{kind} backend {name!r}: {info.package} is installed but registers no engine yet")
     if info.cls is None:
         raise BackendError(f"{kind} backend {name!r} is not installed: {info.install}")
     if info.missing:

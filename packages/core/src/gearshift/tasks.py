@@ -20,9 +20,10 @@ _OPS: dict[str, Callable[[int, int], int]] = {"+": lambda a, b: a + b, "-": lamb
                                               "*": lambda a, b: a * b}
 
 
-def arithmetic(n: int, *, seed: int = 0, digits: int = 2, ops: str = "+", max_operand: int | None = None) -> list[dict]:
-    """`n` problems "a<op>b=" with operands of up to `digits` digits (or up to `max_operand`);
-    subtraction never goes negative."""
+def arithmetic(n: int, *, seed: int = 0, digits: int = 2, ops: str = "+", max_operand: int | None = None,
+               second: int | None = None) -> list[dict]:
+    """`n` problems "a<op>b=" with operands of up to `digits` digits (or up to `max_operand`), or with
+    the second operand fixed to `second`; subtraction never goes negative."""
     if digits < 1:
         raise ValueError(f"digits={digits} must be >= 1")
     if max_operand is not None and max_operand < 1:
@@ -35,16 +36,17 @@ def arithmetic(n: int, *, seed: int = 0, digits: int = 2, ops: str = "+", max_op
     rows = []
     for _ in range(n):
         op = rng.choice(ops)
-        a, b = rng.randint(0, top), rng.randint(0, top)
+        a, b = rng.randint(0, top), rng.randint(0, top) if second is None else second
         if op == "-" and a < b:
             a, b = b, a
         rows.append({"prompt": f"{a}{op}{b}=", "answer": str(_OPS[op](a, b))})
     return rows
 
 
-def addition(n: int, *, seed: int = 0, digits: int = 2, max_operand: int | None = None) -> list[dict]:
-    """The default job's task: "a+b=" with operands of up to `digits` digits (or up to `max_operand`)."""
-    return arithmetic(n, seed=seed, digits=digits, ops="+", max_operand=max_operand)
+def addition(n: int, *, seed: int = 0, digits: int = 2, max_operand: int | None = None,
+             second: int | None = None) -> list[dict]:
+    """"a+b=" with operands of up to `digits` digits (or up to `max_operand`, or b fixed to `second`)."""
+    return arithmetic(n, seed=seed, digits=digits, ops="+", max_operand=max_operand, second=second)
 
 
 def reverse(n: int, *, seed: int = 0, min_len: int = 3, max_len: int = 5) -> list[dict]:

@@ -45,7 +45,7 @@ def format_warmup(base: str, out: str | Path, rows: list[dict], *, steps: int = 
 
 
 #: the task options the '<preset>-<task>' models are warmed up with; the default job's data uses the same
-TASK_MODEL_OPTIONS = {"add": {"digits": 1, "max_operand": 3}}
+TASK_MODEL_OPTIONS = {"add": {"digits": 1, "second": 1}}
 
 
 def build_task_model(path: str | Path, preset: str, task: str, *, seed: int = 0, **task_options) -> str:

@@ -1,0 +1,59 @@
+#!/usr/bin/env python3
+"""Switch benchmark over every installed (train, rollout) pair that runs here; writes a markdown table.
+
+    python tools/bench_matrix.py --model bench100m --switches 5 --out runs/bench/matrix.md
+
+Each pair is measured in its own process (engines do not share a process between pairs), with
+`gearshift bench switch`, whose JSON this script reads back.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from gearshift import registry
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="bench100m", help="model folder or preset (default bench100m)")
+    p.add_argument("--switches", type=int, default=5)
+    p.add_argument("--naive-switches", type=int, default=3)
+    p.add_argument("--out", default="runs/bench/matrix.md")
+    p.add_argument("--pairs", default="", help="comma-separated train/rollout pairs (default: all ready)")
+    args = p.parse_args()
+    ready = {k: [b.name for b in registry.list_backends(k) if b.ready] for k in ("train", "rollout")}
+    pairs = ([tuple(x.split("/")) for x in args.pairs.split(",") if x] or
+             [(t, r) for t in ready["train"] for r in ready["rollout"]])
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    rows = []
+    for train, rollout in pairs:
+        print(f"== {train} -> {rollout}", flush=True)
+        cmd = [sys.executable, "-m", "gearshift", "bench", "switch", "--train", train, "--rollout", rollout,
+               "--model", args.model, "--switches", str(args.switches), "--naive-switches", str(args.naive_switches),
+               "--out", str(out.parent)]
+        proc = subprocess.run(cmd, text=True, capture_output=True)
+        if proc.returncode != 0:
+            rows.append(f"| {train} | {rollout} | failed: {proc.stderr.strip().splitlines()[-1] if proc.stderr else '?'} |"
+                        " | | | | | |")
+            continue
+        r = json.loads((out.parent / f"switch-{train}-{rollout}.json").read_text())
+        rows.append(
+            f"| {train} | {rollout} | {r['bytes'] / 1e6:.0f} | {r['sync_s']:.3f} | {r['copy_s']:.3f} | "
+            f"{r['engine_load_s']:.3f} | {r['naive_s']:.3f} | {r['sync_over_copy']:.2f}x | "
+            f"{r['sync_over_engine_load']:.2f}x | {r['naive_over_sync']:.1f}x |")
+    header = ("| train | rollout | MB | sync s | copy s | engine load s | naive s | sync/copy | sync/engine load "
+              "| naive/sync |\n|---|---|---|---|---|---|---|---|---|---|")
+    text = f"Switch benchmark, model `{args.model}`, medians of {args.switches} switches\n\n{header}\n" + "\n".join(rows) + "\n"
+    out.write_text(text)
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
