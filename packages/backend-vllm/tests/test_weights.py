@@ -130,6 +130,7 @@ def test_sleep_releases_device_memory_and_wake_takes_it_back(engine, original):
     engine.wake(["weights", "kv_cache"])
     engine.update_weights(as_buckets(original, engine.device))
     free_again = torch.cuda.mem_get_info()[0]
-    print(f"device memory: held {held}, freed by sleep {free_asleep - free_awake}, taken back {free_asleep - free_again}")
+    print(f"device memory: held {held}, freed by sleep {free_asleep - free_awake}, "
+          f"taken back {free_asleep - free_again}")
     assert free_asleep - free_awake >= 0.9 * held["kv_cache"]
     assert free_asleep - free_again >= 0.9 * held["kv_cache"]

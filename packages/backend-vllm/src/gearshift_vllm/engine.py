@@ -327,8 +327,8 @@ def _model_layout(worker) -> dict:
         for extra in names[1:]:  # the first owner loads the weight; the others only share it
             if hasattr(model.get_submodule(extra), "quant_method"):
                 tied.setdefault(f"{names[0]}.weight", []).append(extra)
-    return {"modules": {n for n, _ in model.named_modules()}, "packed": dict(getattr(model, "packed_modules_mapping", {})),
-            "tied": tied}
+    return {"modules": {n for n, _ in model.named_modules()},
+            "packed": dict(getattr(model, "packed_modules_mapping", {})), "tied": tied}
 
 
 def _repack_modules(worker, names: list[str]) -> None:

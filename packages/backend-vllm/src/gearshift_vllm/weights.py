@@ -14,7 +14,7 @@ the load between units, never inside one, and the engine keeps serving.
 
 from __future__ import annotations
 
-from typing import Callable, Iterable, Iterator, Mapping
+from typing import Iterable, Iterator, Mapping
 
 import torch
 
@@ -68,7 +68,7 @@ class UnitFeeder:
     """
 
     def __init__(self, buckets: Iterable[WeightBucket], spec: WeightSpec, units: Mapping[str, str],
-                 rank: int = 0, check: Callable[[WeightBucket], None] | None = None) -> None:
+                 rank: int = 0) -> None:
         self._buckets = buckets
         self._spec = spec
         self._rank = rank
@@ -76,7 +76,6 @@ class UnitFeeder:
         self._members: dict[str, set[str]] = {}
         for name, unit in units.items():
             self._members.setdefault(unit, set()).add(name)
-        self._check = check
         self.error: BaseException | None = None
         self.loaded_names: list[str] = []
         self.bytes = 0
@@ -87,8 +86,6 @@ class UnitFeeder:
         try:
             for bucket in self._buckets:
                 self._spec.check(bucket.tensors, self._rank)
-                if self._check is not None:
-                    self._check(bucket)
                 for name, tensor in bucket.items():
                     unit = self._units[name]
                     pieces = held.setdefault(unit, {})
