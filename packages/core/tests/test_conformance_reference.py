@@ -32,3 +32,15 @@ class TestTorchHFPair(PairSuite):
     @pytest.fixture
     def rollout_engine(self, hf_engine):
         return hf_engine
+
+
+def test_unseeded_sampling_moves_on_and_seeded_sampling_repeats(hf_engine):
+    from gearshift import SamplingParams
+
+    prompts = [[72, 101, 108, 108, 111]]
+    free = SamplingParams(n=4, temperature=1.0, max_tokens=6)
+    a, b = hf_engine.generate(prompts, free), hf_engine.generate(prompts, free)
+    assert [r.token_ids for r in a] != [r.token_ids for r in b]
+    seeded = SamplingParams(n=4, temperature=1.0, max_tokens=6, seed=7)
+    assert [r.token_ids for r in hf_engine.generate(prompts, seeded)] == \
+        [r.token_ids for r in hf_engine.generate(prompts, seeded)]

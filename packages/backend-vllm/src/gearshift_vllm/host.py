@@ -45,6 +45,8 @@ def engine_environment(root: str | os.PathLike, kv_cache_gib: int | None = None)
         "VLLM_RPC_BASE_PATH": str(paths["rpc"]),
         "VLLM_ASSETS_CACHE": str(paths["cache"] / "assets"),
         "TORCHINDUCTOR_CACHE_DIR": str(paths["inductor"]),
+        # every weight reload logs several lines at INFO and WARNING: noise in an RL run's console
+        "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "ERROR"),
     }
     if kv_cache_gib is not None:
         env["VLLM_CPU_KVCACHE_SPACE"] = str(kv_cache_gib)

@@ -80,10 +80,12 @@ class HFRolloutEngine(RolloutEngine):
                           top_k=sampling.top_k or None)
         if sampling.stop:
             kwargs.update(stop_strings=list(sampling.stop), tokenizer=self.tokenizer)
-        with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
-            if sampling.seed is not None:
-                torch.manual_seed(sampling.seed)
+        if sampling.seed is None:  # draw from the process's generator, which moves on
             result = self.model.generate(**kwargs)
+        else:  # a seeded call repeats exactly and leaves the process's generator where it was
+            with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
+                torch.manual_seed(sampling.seed)
+                result = self.model.generate(**kwargs)
         new = result.sequences[:, width:].cpu()
         logp = torch.log_softmax(torch.stack(result.logits, dim=1).float(), dim=-1).cpu()
         picked = logp.gather(-1, new[:, :, None]).squeeze(-1)
