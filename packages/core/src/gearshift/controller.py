@@ -53,7 +53,7 @@ class Controller:
         torch.manual_seed(cfg.run.seed)
         self.out = Path(cfg.run.output_dir)
         self.model_path = resolve_model(cfg.model.path) if self.rank == 0 else None
-        self.model_path = _broadcast(self.model_path)
+        self.model_path = gdist.broadcast_object(self.model_path)
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
         self.reward_fn = load_reward(reward_fn or cfg.reward.fn)
         self.data = dataset if dataset is not None else PromptDataset.from_config(cfg.data)
@@ -257,23 +257,21 @@ class Controller:
         self.policy.save_hf(str(path))
 
 
-def _broadcast(value):
-    if not gdist.is_distributed():
-        return value
-    import torch.distributed as dist
-
-    box = [value]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
-
-
 def _average_over_ranks(metrics: dict[str, Any]) -> dict[str, Any]:
+    """Means over ranks, except maxima and minima (keys ending in max/min), which stay extremes."""
     if not gdist.is_distributed():
         return metrics
     import torch.distributed as dist
 
-    keys = sorted(metrics)
-    t = torch.tensor([float(metrics[k]) for k in keys], dtype=torch.float64)
-    dist.all_reduce(t)
-    t /= gdist.world_size()
-    return dict(zip(keys, t.tolist()))
+    out = dict(metrics)
+    groups = {"max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN, "": dist.ReduceOp.SUM}
+    for suffix, op in groups.items():
+        keys = sorted(k for k in metrics if (k.endswith(suffix) if suffix else not k.endswith(("max", "min"))))
+        if not keys:
+            continue
+        t = torch.tensor([float(metrics[k]) for k in keys], dtype=torch.float64)
+        dist.all_reduce(t, op=op)
+        if not suffix:
+            t /= gdist.world_size()
+        out.update(zip(keys, t.tolist()))
+    return out

@@ -57,6 +57,15 @@ def heartbeat() -> None:
         faulthandler.dump_traceback_later(_watchdog_s, repeat=False, file=sys.stderr, exit=False)
 
 
+def broadcast_object(value, src: int = 0):
+    """`value` as rank `src` has it, on every rank (itself without a process group)."""
+    if not is_distributed():
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=src)
+    return box[0]
+
+
 def barrier() -> None:
     if is_distributed():
         dist.barrier()

@@ -71,24 +71,12 @@ def _backend_xfails(config, cls) -> dict[str, str]:
     return out
 
 
-def _broadcast(value):
-    from .. import dist as gdist
-
-    if not gdist.is_distributed():
-        return value
-    import torch.distributed as dist
-
-    box = [value]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
-
-
 @pytest.fixture(scope="session")
 def gearshift_shared_tmp_root():
     from .. import dist as gdist
 
     gdist.init()  # under torchrun: join first, so every rank gets rank 0's folder
-    path = _broadcast(tempfile.mkdtemp(prefix="gearshift-test-") if gdist.rank() == 0 else None)
+    path = gdist.broadcast_object(tempfile.mkdtemp(prefix="gearshift-test-") if gdist.rank() == 0 else None)
     Path(path).mkdir(parents=True, exist_ok=True)
     yield Path(path)
     gdist.barrier()
