@@ -34,8 +34,10 @@ class TestTorchHFPair(PairSuite):
         return hf_engine
 
 
-def test_unseeded_sampling_moves_on_and_seeded_sampling_repeats(hf_engine):
+def test_unseeded_sampling_moves_on_and_seeded_sampling_repeats(gearshift_model):
     from gearshift import SamplingParams
+
+    hf_engine = HFRolloutEngine(gearshift_model)  # its own: the pair tests leave the shared one asleep
 
     prompts = [[72, 101, 108, 108, 111]]
     free = SamplingParams(n=4, temperature=1.0, max_tokens=6)
