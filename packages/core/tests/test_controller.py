@@ -1,12 +1,10 @@
 """The RL loop on the reference pair: the Python API, PPO with a critic, and resuming a killed run."""
 
-import json
 import os
 import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 

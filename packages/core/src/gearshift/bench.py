@@ -156,7 +156,6 @@ def measure_pair(train, rollout, switches: int = 5, naive_switches: int = 3, nai
     src = list(full.values())
     dst = [torch.empty_like(t) for t in src]
     copy_s = _median_seconds(lambda: [d.copy_(s) for d, s in zip(dst, src)], max(switches, 3))
-    del full, src, dst
     return SwitchBench(*labels, plan.bytes_received(gdist.rank()), median_report(ups), median_report(downs),
                        median_report(naive), copy_s, engine_load_s)
 
