@@ -85,7 +85,15 @@ class TorchTrainEngine(TrainEngine):
             raise ValueError(f"the torch train backend runs in one process; for mesh {self.mesh} use 'fsdp'")
 
     def _parallelize(self, model: torch.nn.Module) -> torch.nn.Module:
-        return model.to(self.device)
+        model = model.to(self.device)
+        if self.device.type == "cpu":
+            # from_pretrained may leave CPU weights as views of the checkpoint's file mapping: reading
+            # them (every sync) then runs at page-cache speed, and the first optimizer step copy-faults
+            # every page. One copy now puts them in ordinary memory.
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.data = p.data.clone()
+        return model
 
     def _shards(self, name: str) -> dict[str, int]:
         """{axis: dim} for how `name` is sharded on the train mesh."""
