@@ -13,7 +13,7 @@ import torch
 from .. import dist as gdist
 from ..mesh import MeshSpec
 from ..rollout import Rollout, RolloutEngine, RolloutError, SamplingParams
-from ..weights import WeightBucket, WeightError, WeightSpec
+from ..weights import WeightBucket, WeightSpec
 from .torch_train import parse_dtype
 
 
@@ -156,5 +156,3 @@ class HFRolloutEngine(RolloutEngine):
         self.model = None
         self._params.clear()
 
-
-__all__ = ["HFRolloutEngine", "WeightError"]
