@@ -81,12 +81,10 @@ class SwitchBench:
         return "\n".join(lines)
 
     def plot(self, path: str | Path) -> bool:
-        try:
-            import matplotlib
+        from .metrics import pyplot
 
-            matplotlib.use("Agg")
-            import matplotlib.pyplot as plt
-        except ImportError:
+        plt = pyplot()
+        if plt is None:
             return False
         bars = {
             "gearshift\n(to rollout)": [(p.name, p.seconds) for p in self.to_rollout.phases],

@@ -8,6 +8,8 @@ import os
 from pathlib import Path
 from typing import Any
 
+from .profiler import proc_status_bytes
+
 
 def peak_memory_bytes() -> int:
     """The CUDA allocator's high-water mark, or the process's resident-set high-water mark."""
@@ -15,14 +17,7 @@ def peak_memory_bytes() -> int:
 
     if torch.cuda.is_available():
         return torch.cuda.max_memory_allocated()
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 0
+    return proc_status_bytes("VmHWM")
 
 
 def read_jsonl(path: str | os.PathLike) -> list[dict]:
@@ -94,14 +89,22 @@ class MetricsLogger:
             self._wandb.finish()
 
 
-def plot_rewards(metrics_path: str | os.PathLike, png_path: str | os.PathLike, key: str = "reward/mean") -> bool:
-    """Draw `key` against the step to a PNG; False when matplotlib is missing or nothing was logged."""
+def pyplot():
+    """matplotlib.pyplot on a file-only backend, or None when matplotlib is not installed."""
     try:
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
+        return None
+    return plt
+
+
+def plot_rewards(metrics_path: str | os.PathLike, png_path: str | os.PathLike, key: str = "reward/mean") -> bool:
+    """Draw `key` against the step to a PNG; False when matplotlib is missing or nothing was logged."""
+    plt = pyplot()
+    if plt is None:
         return False
     rows = [r for r in read_jsonl(metrics_path) if key in r]
     if not rows:

@@ -103,7 +103,8 @@ class SwitchReport:
         Path(path).write_text(json.dumps({"traceEvents": events}))
 
 
-def _read_status_kb(key: str) -> int:
+def proc_status_bytes(key: str) -> int:
+    """A size field of /proc/self/status (VmRSS, VmHWM, ...) in bytes; 0 where there is none."""
     try:
         with open("/proc/self/status") as f:
             for line in f:
@@ -139,7 +140,7 @@ class PhaseTimer:
     def _peak(self) -> int:
         if self.device.type == "cuda":
             return torch.cuda.max_memory_allocated(self.device)
-        return _read_status_kb("VmHWM") or _read_status_kb("VmRSS")
+        return proc_status_bytes("VmHWM") or proc_status_bytes("VmRSS")
 
     @contextmanager
     def phase(self, name: str, nbytes: int = 0) -> Iterator[Phase]:

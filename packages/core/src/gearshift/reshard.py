@@ -282,9 +282,8 @@ class NaiveResharder(Resharder):
         root = Path(self.directory or tempfile.gettempdir())
         path = root / "gearshift-naive-sync" / "model.safetensors"
         with timer.phase("save") as ph:
-            full = plan_reshard(plan.src, plan.dst.replicated(), self.bucket_bytes)
             state: dict[str, torch.Tensor] = {}
-            for bucket in stream_plan(full, train.local_weights):
+            for bucket in train.export_weights(plan.dst.replicated(), self.bucket_bytes):
                 if rank == 0:
                     state.update((k, v.detach().to("cpu", copy=True).contiguous()) for k, v in bucket.items())
             if rank == 0:

@@ -121,8 +121,9 @@ class TrainEngine(ABC):
     def export_weights(self, spec: WeightSpec | None = None,
                        bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> Iterator[WeightBucket]:
         """The weights in the layout `spec` asks for (default: whole on every rank), bucket by bucket."""
-        target = spec if spec is not None else self.weight_spec().replicated()
-        yield from stream_plan(plan_reshard(self.weight_spec(), target, bucket_bytes), self.local_weights)
+        mine = self.weight_spec()
+        target = spec if spec is not None else mine.replicated()
+        yield from stream_plan(plan_reshard(mine, target, bucket_bytes), self.local_weights)
 
     @abstractmethod
     def forward_logprobs(self, batch: TrainBatch, with_entropy: bool = False) -> PolicyOutput:
