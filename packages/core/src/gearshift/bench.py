@@ -26,6 +26,9 @@ from .reshard import NaiveResharder, StreamingResharder
 from .weights import WeightBucket
 
 
+SYNC_PHASES = ("export", "load", "share")
+
+
 @dataclass
 class SwitchBench:
     """Medians of N switches of one pair, and the baselines measured beside them."""
@@ -43,7 +46,12 @@ class SwitchBench:
 
     @property
     def sync_s(self) -> float:
-        return sum(p.seconds for p in self.to_rollout.phases if p.name in ("export", "load"))
+        return sum(p.seconds for p in self.to_rollout.phases if p.name in SYNC_PHASES)
+
+    @property
+    def shared(self) -> bool:
+        """The rollout engine served from the trainer's tensors: the sync copied nothing."""
+        return self.to_rollout.phase("share") is not None
 
     @property
     def naive_s(self) -> float:
@@ -59,7 +67,7 @@ class SwitchBench:
     def to_dict(self) -> dict:
         return {
             "train": self.train, "rollout": self.rollout, "model": self.model, "bytes": self.bytes,
-            "sync_s": self.sync_s, "naive_s": self.naive_s, "copy_s": self.copy_s,
+            "shared": self.shared, "sync_s": self.sync_s, "naive_s": self.naive_s, "copy_s": self.copy_s,
             "engine_load_s": self.engine_load_s, **self.ratios(),
             "to_rollout": self.to_rollout.to_dict(), "to_train": self.to_train.to_dict(),
             "naive": self.naive.to_dict(), **self.extra,
@@ -72,6 +80,7 @@ class SwitchBench:
             f"({self.bytes / 1e6:.1f} MB of weights)",
             self.to_rollout.table(), self.to_train.table(),
             "",
+            f"{'sync (export + share), median':<38}{self.sync_s:10.4f} s  shared, no bytes copied" if self.shared else
             f"{'sync (export + load), median':<38}{self.sync_s:10.4f} s  {self.bytes / self.sync_s / 1e9:6.2f} GB/s",
             f"{'naive resharder (file round trip)':<38}{self.naive_s:10.4f} s  {r['naive_over_sync']:6.1f}x the sync",
             f"{'copy limit (plain copy, same bytes)':<38}{self.copy_s:10.4f} s  sync is {r['sync_over_copy']:.2f}x",
@@ -123,11 +132,15 @@ def _median_seconds(fn, repeats: int) -> float:
 
 
 def measure_pair(train, rollout, switches: int = 5, naive_switches: int = 3, naive_dir: str | None = None,
-                 progress: bool = False, labels: tuple[str, str, str] = ("", "", "")) -> SwitchBench:
-    """Switch a built pair `switches` times, then the baselines on the same engines; return the medians."""
+                 progress: bool = False, labels: tuple[str, str, str] = ("", "", ""),
+                 share: bool | None = None) -> SwitchBench:
+    """Switch a built pair `switches` times, then the baselines on the same engines; return the medians.
+
+    `share` goes to `StreamingResharder`: None shares the trainer's tensors when the pair can.
+    """
     from tqdm import tqdm
 
-    actor = HybridActor(train, rollout, StreamingResharder())
+    actor = HybridActor(train, rollout, StreamingResharder(share=share))
     bar = tqdm(total=switches + naive_switches + 1, desc="switches", disable=not progress or gdist.rank() != 0)
     actor.to_rollout()  # warm-up: first-touch allocations are not what a steady run pays
     actor.to_train()
@@ -160,7 +173,7 @@ def measure_pair(train, rollout, switches: int = 5, naive_switches: int = 3, nai
 
 def measure_switch(train_name: str, rollout_name: str, model: str, switches: int = 5, naive_switches: int = 3,
                    train_options: dict | None = None, rollout_options: dict | None = None,
-                   naive_dir: str | None = None, progress: bool = True) -> SwitchBench:
+                   naive_dir: str | None = None, progress: bool = True, share: bool | None = None) -> SwitchBench:
     """Build the pair on `model` (a folder or preset) and measure it with `measure_pair`."""
     from .tiny import resolve_model
 
@@ -170,7 +183,7 @@ def measure_switch(train_name: str, rollout_name: str, model: str, switches: int
     rollout = registry.create("rollout", rollout_name, model=path, **(rollout_options or {}))
     try:
         return measure_pair(train, rollout, switches, naive_switches, naive_dir, progress,
-                            (train_name, rollout_name, model))
+                            (train_name, rollout_name, model), share)
     finally:
         train.close()
         rollout.close()
@@ -182,18 +195,25 @@ def _switch_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="bench100m", help="model folder or preset (default bench100m, ~110M params)")
     p.add_argument("--switches", type=int, default=5, help="full switches to take the median of (default 5)")
     p.add_argument("--naive-switches", type=int, default=3, help="switches with the naive resharder (default 3)")
+    p.add_argument("--share", choices=SHARE_CHOICES, default="auto",
+                   help="serve rollout from the trainer's tensors: auto (when the pair can; default), "
+                        "on (fail if it cannot), off (always copy)")
     p.add_argument("--train-options", default="{}", help="JSON options for the train engine")
     p.add_argument("--rollout-options", default="{}", help="JSON options for the rollout engine")
     p.add_argument("--out", default="runs/bench", help="folder for the JSON and PNG (default runs/bench)")
 
 
+SHARE_CHOICES = {"auto": None, "on": True, "off": False}
+
+
 def bench_switch(args: argparse.Namespace) -> int:
     bench = measure_switch(args.train, args.rollout, args.model, args.switches, args.naive_switches,
-                           json.loads(args.train_options), json.loads(args.rollout_options))
+                           json.loads(args.train_options), json.loads(args.rollout_options),
+                           share=SHARE_CHOICES[args.share])
     if gdist.rank() == 0:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
-        stem = f"switch-{args.train}-{args.rollout}"
+        stem = f"switch-{args.train}-{args.rollout}" + ("-copy" if args.share == "off" else "")
         (out / f"{stem}.json").write_text(json.dumps(bench.to_dict(), indent=2))
         bench.plot(out / f"{stem}.png")
         print(bench.table())

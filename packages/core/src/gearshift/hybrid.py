@@ -4,6 +4,10 @@ train -> rollout: offload what training does not need, wake the rollout
 weights, sync them, optionally offload the training params, wake the KV
 cache, reset the prefix cache. rollout -> train: put the rollout engine to
 sleep, bring the training state back. Every phase lands in a `SwitchReport`.
+
+When the plan lets the rollout engine serve from the trainer's own tensors
+(`ReshardPlan.share`), its weights are not woken (they need no memory of their
+own) and the sync hands tensors over instead of copying them.
 """
 
 from __future__ import annotations
@@ -41,6 +45,12 @@ class HybridActor:
         self.offload_tags = tuple(offload)
         self.offload_params = offload_params
         self.plan = self.resharder.plan(train, rollout)  # once: a switch does no discovery work
+        if self.plan.share and offload_params:
+            # the rollout engine would keep the offloaded params alive where they were
+            if getattr(self.resharder, "share", None):
+                raise ValueError("offload_params=True cannot be combined with a resharder that shares weights "
+                                 "(the rollout engine reads the very tensors that would be offloaded)")
+            self.plan.share = False
         self.reports: list[SwitchReport] = []
         self.mode = "train"
         self.rollout.sleep(["kv_cache", "weights"])
@@ -54,8 +64,9 @@ class HybridActor:
         if self.offload_tags:
             with timer.phase("offload") as ph:
                 ph.bytes = self.train.offload(self.offload_tags)
-        with timer.phase("wake_weights"):
-            self.rollout.wake(["weights"])
+        if not self.plan.share:
+            with timer.phase("wake_weights"):
+                self.rollout.wake(["weights"])
         self.resharder.sync(self.plan, self.train, self.rollout, timer)
         if self.offload_params:
             with timer.phase("offload_params") as ph:

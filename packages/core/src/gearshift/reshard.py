@@ -6,6 +6,13 @@ boundaries fall. `stream_plan` then walks that list on every switch: local
 pieces are views or copies, remote ones point-to-point sends, one bucket at a
 time, so the extra memory is one bucket.
 
+When every rank already holds each weight whole, in the dtype and on the
+device the rollout engine wants (one process, or data parallel on both sides,
+fp32 on a CPU), there is nothing to move: a rollout engine that can serve from
+the trainer's own tensors (`RolloutEngine.share_weights`) is handed them, and a
+sync costs a few pointer swaps. `StreamingResharder(share=None)` does that
+whenever the plan allows it; `share=False` always copies.
+
 Two resharders ship with the core: `stream` (the above) and `naive` (what a
 system without a resharder does: the trainer writes a full safetensors
 checkpoint and the rollout engine reloads it from that path); benchmarks
@@ -69,6 +76,7 @@ class ReshardPlan:
     buckets: tuple[BucketPlan, ...]
     transfers: dict[str, tuple[Transfer, ...]]
     unused: tuple[str, ...] = ()  # source weights the receiver does not take (a value head, say)
+    share: bool = False  # the rollout engine serves from the trainer's tensors: a sync copies nothing
     _src: dict[str, ParamSpec] = field(default_factory=dict, repr=False)
     _dst: dict[str, ParamSpec] = field(default_factory=dict, repr=False)
 
@@ -166,6 +174,26 @@ def plan_reshard(src: WeightSpec, dst: WeightSpec, bucket_bytes: int = DEFAULT_B
     return ReshardPlan(src, dst, tuple(buckets), transfers, unused)
 
 
+def share_refusal(plan: ReshardPlan) -> str | None:
+    """Why the rollout engine cannot serve from the trainer's own tensors under this plan (None: it can).
+
+    Sharing needs every rank to hold every weight whole in its rollout layout and dtype already,
+    so that the stream passes the trainer's tensors on untouched and no rank talks to another.
+    """
+    for name, transfers in plan.transfers.items():
+        s, d = plan._src[name], plan._dst[name]
+        if s.dtype != d.dtype:
+            return f"{name!r} is {s.dtype} in training but the rollout engine wants {d.dtype}"
+        for t in transfers:
+            if t.src != t.dst:
+                return f"{name!r} travels from rank {t.src} to rank {t.dst} (the layouts differ)"
+        for r in range(plan.world_size):
+            want = d.placement.local_box(d.shape, r)
+            if want != s.placement.local_box(s.shape, r) or [t.box for t in transfers if t.dst == r] != [want]:
+                return f"rank {r} holds another slice of {name!r} in training than the rollout engine wants"
+    return None
+
+
 def stream_plan(
     plan: ReshardPlan,
     local_weights: Callable[[list[str]], Mapping[str, torch.Tensor]],
@@ -253,17 +281,52 @@ class _TimedIterator:
 
 
 class StreamingResharder(Resharder):
-    """Runs the plan bucket by bucket straight into `rollout.update_weights`: no disk, one bucket extra."""
+    """Runs the plan bucket by bucket straight into the rollout engine: no disk, one bucket extra.
+
+    `share`: None (default) hands the rollout engine the trainer's own tensors whenever the
+    layouts, dtypes and devices already agree and the engine can serve from them
+    (`share_weights`), and copies otherwise; True insists on sharing (a plan that cannot
+    share raises `WeightError` saying why); False always copies (`update_weights`).
+    """
+
+    def __init__(self, bucket_bytes: int = DEFAULT_BUCKET_BYTES, share: bool | None = None, **options) -> None:
+        super().__init__(bucket_bytes, **options)
+        if share not in (None, True, False):
+            raise TypeError(f"share must be None (when possible), True or False, got {share!r}")
+        self.share = share
+
+    def plan(self, train, rollout) -> ReshardPlan:
+        plan = super().plan(train, rollout)
+        if self.share is not False:
+            why = self.share_refusal(plan, train, rollout)
+            if why is not None and self.share:
+                raise WeightError(f"cannot share the trainer's weights with the rollout engine: {why}")
+            plan.share = why is None
+        return plan
+
+    @staticmethod
+    def share_refusal(plan: ReshardPlan, train: "TrainEngine", rollout: "RolloutEngine") -> str | None:
+        """Why this pair cannot share weights under `plan` (None: it can)."""
+        if not rollout.can_share_weights:
+            return f"the rollout engine {type(rollout).__name__} cannot serve from another engine's tensors"
+        if torch.device(train.device) != torch.device(rollout.device):
+            return f"training runs on {train.device} and rollout on {rollout.device}"
+        return share_refusal(plan)
 
     def sync(self, plan, train, rollout, timer=None) -> SwitchReport:
         timer = timer or PhaseTimer(train.device, "to_rollout")
         stream = _TimedIterator(stream_plan(plan, train.local_weights))
         with timer.phase("sync") as total:
-            rollout.update_weights(stream)
+            if plan.share:
+                rollout.share_weights(stream)
+            else:
+                rollout.update_weights(stream)
         timer.report.phases.remove(total)
-        # the bytes moved are those that land in the rollout engine: counted once, on load
         timer.add("export", stream.seconds)
-        timer.add("load", max(total.seconds - stream.seconds, 0.0), stream.bytes)
+        if plan.share:  # nothing lands anywhere: the rollout engine now reads the trainer's tensors
+            timer.add("share", max(total.seconds - stream.seconds, 0.0), 0)
+        else:  # the bytes moved are those that land in the rollout engine: counted once, on load
+            timer.add("load", max(total.seconds - stream.seconds, 0.0), stream.bytes)
         return timer.report
 
 

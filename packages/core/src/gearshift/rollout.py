@@ -79,6 +79,8 @@ class RolloutEngine(ABC):
 
     requires: ClassVar[tuple[str, ...]] = ()
     install: ClassVar[str] = ""
+    #: the engine can serve from tensors it is handed, without copying them (`share_weights`)
+    can_share_weights: ClassVar[bool] = False
 
     device: torch.device
     mesh: MeshSpec
@@ -95,6 +97,18 @@ class RolloutEngine(ABC):
     @abstractmethod
     def update_weights(self, buckets: Iterable[WeightBucket]) -> int:
         """Load the buckets in place and reset the cache; a bad bucket raises before any of it is applied."""
+
+    def share_weights(self, buckets: Iterable[WeightBucket]) -> int:
+        """Serve from the buckets' tensors themselves, copying nothing; returns the bytes now borrowed.
+
+        The tensors stay the caller's: the engine only reads them, and the caller must not
+        change them while the engine serves (the `HybridActor` trains only after `sleep`, which
+        lets go of them). Works whether or not the weights are asleep, since it needs no memory
+        of the engine's own. A bad bucket raises `WeightError` before any of it is taken.
+        A later `update_weights` first gives the engine its own copy again.
+        Engines that can do this set `can_share_weights = True`.
+        """
+        raise NotImplementedError(f"{type(self).__name__} cannot serve from another engine's tensors")
 
     @abstractmethod
     def sleep(self, tags: Sequence[str] = ROLLOUT_TAGS) -> None:

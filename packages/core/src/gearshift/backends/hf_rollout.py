@@ -13,12 +13,14 @@ import torch
 from .. import dist as gdist
 from ..mesh import MeshSpec
 from ..rollout import Rollout, RolloutEngine, RolloutError, SamplingParams
-from ..weights import WeightBucket, WeightSpec
+from ..weights import WeightBucket, WeightError, WeightSpec
 from .torch_train import parse_dtype
 
 
 class HFRolloutEngine(RolloutEngine):
-    """Batched sampling with per-token logprobs; weights updated in place, no copies kept."""
+    """Batched sampling with per-token logprobs; weights updated in place, or borrowed from the trainer."""
+
+    can_share_weights = True
 
     def __init__(
         self,
@@ -45,6 +47,7 @@ class HFRolloutEngine(RolloutEngine):
             p.requires_grad_(False)
         self._spec = WeightSpec.from_tensors(self._params, self.mesh)
         self._asleep: set[str] = set()
+        self._borrowed: set[str] = set()  # weights whose storage is the caller's (share_weights)
         self._pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
 
     # --- generation -----------------------------------------------------------------------
@@ -123,11 +126,34 @@ class HFRolloutEngine(RolloutEngine):
         loaded = 0
         for bucket in buckets:
             self._spec.check(bucket.tensors, gdist.rank())
+            if self._borrowed:  # writing in place would write into the lender's tensors
+                for name in self._borrowed:
+                    self._params[name].data = self._params[name].data.clone()
+                self._borrowed.clear()
             for name, tensor in bucket.items():
                 self._params[name].copy_(tensor)
                 loaded += tensor.numel() * tensor.element_size()
         self.reset_cache()
         return loaded
+
+    @torch.no_grad()
+    def share_weights(self, buckets: Iterable[WeightBucket]) -> int:
+        borrowed = 0
+        for bucket in buckets:
+            self._spec.check(bucket.tensors, gdist.rank())
+            for name, tensor in bucket.items():
+                p = self._params[name]
+                if tensor.dtype != p.dtype or tensor.device != p.device:
+                    raise WeightError(
+                        f"weight {name!r} is {tensor.dtype} on {tensor.device}; the engine serves "
+                        f"{p.dtype} on {p.device}: only tensors it can use as they are can be shared")
+            for name, tensor in bucket.items():
+                self._params[name].data = tensor.detach()
+                self._borrowed.add(name)
+                borrowed += tensor.numel() * tensor.element_size()
+        self._asleep.discard("weights")
+        self.reset_cache()
+        return borrowed
 
     def sleep(self, tags: Sequence[str] = ("weights", "kv_cache")) -> None:
         """Weights are dropped (the next sync refills them); generate keeps no KV cache between calls."""
@@ -135,6 +161,7 @@ class HFRolloutEngine(RolloutEngine):
             if tag == "weights" and tag not in self._asleep:
                 for p in self._params.values():
                     p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+                self._borrowed.clear()
             self._asleep.add(tag)
 
     def wake(self, tags: Sequence[str] = ("weights", "kv_cache")) -> None:
@@ -149,7 +176,9 @@ class HFRolloutEngine(RolloutEngine):
         """`generate` builds a fresh KV cache per call: there is no prefix cache to drop."""
 
     def resident_bytes(self) -> dict[str, int]:
-        weights = sum(p.data.numel() * p.data.element_size() for p in self._params.values())
+        """Weights borrowed through `share_weights` are the lender's memory and do not count."""
+        weights = sum(p.data.numel() * p.data.element_size() for n, p in self._params.items()
+                      if n not in self._borrowed)
         return {"weights": weights, "kv_cache": 0}
 
     def close(self) -> None:

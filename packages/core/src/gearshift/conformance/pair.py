@@ -70,26 +70,51 @@ class PairSuite:
         assert not same_outputs(before, after) or max_logprob_diff(before, after) > 1e-4
         assert train_logprob_diff(actor.train, after) <= self.logprob_atol
 
-    def test_naive_and_streaming_resharders_agree(self, train_engine, rollout_engine, gearshift_shared_tmp):
+    def test_naive_copying_and_sharing_resharders_agree(self, train_engine, rollout_engine, gearshift_shared_tmp):
         results = []
-        for resharder in (StreamingResharder(), NaiveResharder(directory=str(gearshift_shared_tmp))):
+        for resharder in (StreamingResharder(share=False), NaiveResharder(directory=str(gearshift_shared_tmp)),
+                          StreamingResharder()):
             actor = HybridActor(train_engine, rollout_engine, resharder)
             report = actor.to_rollout()
             results.append(actor.generate(PROMPTS, GREEDY))
             actor.to_train()
-            assert report.phase("load").bytes > 0
-        assert same_outputs(*results)
-        assert max_logprob_diff(*results) == 0.0
+            if not actor.plan.share:
+                assert report.phase("load").bytes > 0
+        for other in results[1:]:
+            assert same_outputs(results[0], other)
+            assert max_logprob_diff(results[0], other) == 0.0
 
-    def test_switch_report_times_every_phase(self, actor, tmp_path):
+    def test_sharing_is_used_exactly_when_the_plan_allows(self, train_engine, rollout_engine):
+        actor = HybridActor(train_engine, rollout_engine)
+        why = StreamingResharder.share_refusal(actor.plan, train_engine, rollout_engine)
+        assert actor.plan.share == (why is None)
+        if why is None:
+            before = rollout_engine.resident_bytes().get("weights")
+            actor.to_rollout()
+            if before is not None:  # borrowed weights are the trainer's memory, not the engine's
+                assert rollout_engine.resident_bytes()["weights"] == 0
+            actor.to_train()
+        else:
+            with pytest.raises(WeightError, match="cannot share"):
+                HybridActor(train_engine, rollout_engine, StreamingResharder(share=True))
+
+    @pytest.mark.parametrize("share", [None, False], ids=["default", "copy"])
+    def test_switch_report_times_every_phase(self, train_engine, rollout_engine, share, tmp_path):
+        actor = HybridActor(train_engine, rollout_engine, StreamingResharder(share=share))
         report = actor.to_rollout()
         names = [p.name for p in report.phases]
-        for phase in ("wake_weights", "export", "load", "wake_kv_cache", "reset_cache"):
+        for phase in ("export", "wake_kv_cache", "reset_cache"):
             assert phase in names
-        assert report.phase("load").bytes == actor.plan.bytes_received(gdist.rank())
+        if actor.plan.share:
+            assert "wake_weights" not in names and report.phase("share").bytes == 0
+        else:
+            assert "wake_weights" in names
+            assert report.phase("load").bytes == actor.plan.bytes_received(gdist.rank())
         assert all(p.seconds >= 0 for p in report.phases)
         back = actor.to_train()
         assert back.phase("sleep") is not None
+        assert actor.to_rollout().phase("export") is not None  # the same plan serves every switch
+        actor.to_train()
         assert "total" in report.table()
         report.write_json(tmp_path / "r.json")
         assert json.loads((tmp_path / "r.json").read_text())["bytes"] == report.bytes
@@ -102,7 +127,8 @@ class PairSuite:
         with pytest.raises(WeightError, match="does not have"):
             plan_reshard(train_engine.weight_spec(), extra)
 
-    def test_switch_latency_within_budget(self, train_engine, rollout_engine, gearshift_shared_tmp, request,
+    @pytest.mark.parametrize("share", [None, False], ids=["default", "copy"])
+    def test_switch_latency_within_budget(self, train_engine, rollout_engine, share, gearshift_shared_tmp, request,
                                           record_property):
         from .. import registry
         from ..bench import measure_pair
@@ -113,8 +139,11 @@ class PairSuite:
         device = "cuda" if train_engine.device.type == "cuda" else "cpu"
         budget = budget_for(device, train_name, rollout_name).with_overrides(
             request.config.getoption("--gearshift-budget"))
+        if share is False and not HybridActor(train_engine, rollout_engine).plan.share:
+            pytest.skip("this pair copies by default: the default case measured it")
         bench = measure_pair(train_engine, rollout_engine, switches=5, naive_switches=3,
-                             naive_dir=str(gearshift_shared_tmp), labels=(train_name, rollout_name, "suite"))
+                             naive_dir=str(gearshift_shared_tmp), labels=(train_name, rollout_name, "suite"),
+                             share=share)
         print(bench.table())
         for key, value in {"sync_s": bench.sync_s, "naive_s": bench.naive_s, "copy_s": bench.copy_s,
                            "engine_load_s": bench.engine_load_s}.items():

@@ -1,0 +1,111 @@
+"""Serving rollout from the trainer's own tensors: when a plan allows it, and that the lender stays safe."""
+
+import pytest
+import torch
+
+from gearshift.backends.hf_rollout import HFRolloutEngine
+from gearshift.backends.torch_train import TorchTrainEngine
+from gearshift.conformance.train import fixed_batch, nll
+from gearshift.conformance.util import PROMPTS
+from gearshift.hybrid import HybridActor
+from gearshift.mesh import MeshSpec, Placement
+from gearshift.reshard import StreamingResharder, plan_reshard, share_refusal
+from gearshift.rollout import SamplingParams
+from gearshift.weights import ParamSpec, WeightBucket, WeightError, WeightSpec
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=6)
+SHAPES = {"a": (8, 4), "b": (6,)}
+
+
+def spec(mesh, shards=None, dtype=torch.float32):
+    shards = shards or {}
+    return WeightSpec(mesh, tuple(ParamSpec(n, s, dtype, Placement.of(mesh, shards.get(n, {})))
+                                  for n, s in SHAPES.items()))
+
+
+@pytest.mark.parametrize("src,dst,reason", [
+    (spec(MeshSpec()), spec(MeshSpec()), None),
+    (spec(MeshSpec(dp=2)), spec(MeshSpec(dp=2)), None),  # a full replica on each rank, both sides
+    (spec(MeshSpec()), spec(MeshSpec(), dtype=torch.bfloat16), "wants torch.bfloat16"),
+    (spec(MeshSpec(dp=2), {"a": {"dp": 0}}), spec(MeshSpec(dp=2)), "travels from rank"),
+    (spec(MeshSpec(tp=2), {"a": {"tp": 0}}), spec(MeshSpec(tp=2), {"a": {"tp": 1}}), "travels from rank"),
+], ids=["one-rank", "replicas", "dtype", "fsdp-to-replicas", "row-to-column"])
+def test_a_plan_shares_only_when_every_rank_holds_what_it_serves(src, dst, reason):
+    why = share_refusal(plan_reshard(src, dst))
+    if reason is None:
+        assert why is None
+    else:
+        assert reason in why
+
+
+@pytest.fixture(scope="module")
+def pair(gearshift_model):
+    return TorchTrainEngine(gearshift_model, lr=1e-2), HFRolloutEngine(gearshift_model)
+
+
+def test_shared_sync_copies_nothing_and_follows_training(pair):
+    train, rollout = pair
+    actor = HybridActor(train, rollout)
+    assert actor.plan.share
+    report = actor.to_rollout()
+    assert report.phase("share").bytes == 0 and report.phase("load") is None
+    lent = train.local_weights(["model.norm.weight"])["model.norm.weight"]
+    assert rollout.model.model.norm.weight.data_ptr() == lent.data_ptr()
+    before = actor.generate(PROMPTS, GREEDY)
+    actor.to_train()
+    assert rollout.resident_bytes()["weights"] == 0  # asleep: the borrowed tensors were let go
+    for _ in range(3):
+        actor.train_step(fixed_batch(), nll)
+    actor.to_rollout()
+    after = actor.generate(PROMPTS, GREEDY)
+    actor.to_train()
+    assert [r.logprobs for r in before] != [r.logprobs for r in after]
+
+
+def test_update_weights_after_sharing_never_writes_into_the_lender(pair):
+    train, rollout = pair
+    actor = HybridActor(train, rollout)
+    actor.to_rollout()
+    lent = {n: t.clone() for n, t in train.local_weights(train.weight_spec().names()).items()}
+    zeros = {n: torch.zeros_like(t) for n, t in lent.items()}
+    rollout.update_weights([WeightBucket(zeros)])  # the engine takes its own copy first
+    now = train.local_weights(list(lent))
+    assert all(torch.equal(now[n], lent[n]) for n in lent)
+    assert all(float(p.abs().sum()) == 0 for p in rollout.model.parameters())
+    actor.to_train()
+
+
+def test_a_tensor_the_engine_cannot_use_as_it_is_is_refused(pair):
+    train, rollout = pair
+    rollout.wake(["weights"])
+    name = "model.norm.weight"
+    with pytest.raises(WeightError, match="can be shared"):
+        rollout.share_weights([WeightBucket({name: torch.ones(rollout.model.model.norm.weight.shape,
+                                                              dtype=torch.float64)})])
+    with pytest.raises(WeightError, match="unknown weight"):
+        rollout.share_weights([WeightBucket({"no.such.weight": torch.ones(2)})])
+    rollout.sleep(["weights", "kv_cache"])
+
+
+def test_choices_between_sharing_and_copying(pair):
+    train, rollout = pair
+    assert not HybridActor(train, rollout, StreamingResharder(share=False)).plan.share
+    # offloaded params would stay alive in the rollout engine: sharing is dropped, or refused if asked for
+    assert not HybridActor(train, rollout, offload_params=True).plan.share
+    with pytest.raises(ValueError, match="offload_params"):
+        HybridActor(train, rollout, StreamingResharder(share=True), offload_params=True)
+    with pytest.raises(TypeError, match="share must be"):
+        StreamingResharder(share="yes")
+
+
+def test_an_engine_that_cannot_borrow_gets_copies(pair):
+    train, rollout = pair
+
+    class Copying(HFRolloutEngine):
+        can_share_weights = False
+
+    other = Copying.__new__(Copying)
+    other.__dict__.update(rollout.__dict__)
+    with pytest.raises(WeightError, match="cannot serve from another engine"):
+        StreamingResharder(share=True).plan(train, other)
+    assert not StreamingResharder().plan(train, other).share
