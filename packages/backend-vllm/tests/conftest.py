@@ -40,11 +40,17 @@ def host_before_engine() -> dict:
     }
 
 
-@pytest.fixture(scope="session")
-def vllm_engine(gearshift_model, vllm_cache_dir, host_before_engine):
+# On CPU every test runs against both weight layouts, one engine at a time (pytest groups the
+# tests by layout and closes the first engine before the second starts).
+LAYOUTS = ["auto"] if torch.cuda.is_available() else ["plain", "packed"]
+
+
+@pytest.fixture(scope="session", params=LAYOUTS)
+def vllm_engine(request, gearshift_model, vllm_cache_dir, host_before_engine):
     from gearshift_vllm import VLLMRolloutEngine
 
-    engine = VLLMRolloutEngine(gearshift_model, cache_dir=str(vllm_cache_dir), kv_cache_bytes=KV_CACHE_BYTES)
+    engine = VLLMRolloutEngine(gearshift_model, cache_dir=str(vllm_cache_dir), kv_cache_bytes=KV_CACHE_BYTES,
+                               cpu_weights=request.param)
     yield engine
     engine.close()
 

@@ -49,7 +49,7 @@ def test_a_stream_is_taken_bucket_by_bucket(engine, original):
 
     loaded = engine.update_weights(stream())
     assert loaded == sum(t.numel() * t.element_size() for t in original.values())
-    # at most the pieces of one fused layer (q, k, v and their biases) wait for each other
+    # at most the pieces of one fused layer (q, k, v and their biases) wait for each other (packed layout)
     assert most[0] <= 7 < len(original), f"{most[0]} of {len(original)} tensors were alive at once"
 
 
@@ -62,7 +62,7 @@ def test_whole_layers_can_be_updated_alone(engine, original, transformers_diff):
 
 
 def test_the_embedding_update_reaches_the_tied_lm_head(engine, original, transformers_diff):
-    # on CPU the lm_head keeps a packed copy of the embedding that a plain reload leaves stale
+    # packed CPU weights: the lm_head keeps a packed copy of the embedding that a reload leaves stale
     changes = perturbed({"model.embed_tokens.weight": original["model.embed_tokens.weight"]})
     engine.update_weights(as_buckets(changes, engine.device))
     out = engine.generate(PROMPTS, GREEDY)
@@ -70,8 +70,8 @@ def test_the_embedding_update_reaches_the_tied_lm_head(engine, original, transfo
 
 
 def test_part_of_a_fused_layer_is_refused_and_the_old_weights_kept(engine, original):
-    if engine.on_gpu:
-        pytest.skip("GPU vLLM writes each weight in place: a part of a fused layer is fine there")
+    if engine.cpu_weights != "packed":
+        pytest.skip("weights written in place (GPU, or plain CPU weights): a part of a fused layer is fine")
     baseline = engine.generate(PROMPTS, GREEDY)
     with pytest.raises(WeightError, match="as a whole"):
         engine.update_weights(as_buckets(perturbed({"model.layers.0.self_attn.q_proj.weight":
@@ -87,7 +87,8 @@ def test_a_bad_bucket_mid_stream_stops_between_layers(engine, original, transfor
     half = perturbed({LAYER1_MLP[0]: original[LAYER1_MLP[0]]})  # gate without up: must not be applied
     stream = iter([WeightBucket(good, 0), WeightBucket(half, 1),
                    WeightBucket({"model.no_such_layer.weight": torch.zeros(3)}, 2)])
-    applied = {**good, **half} if engine.on_gpu else good  # GPU writes each weight in place, halves too
+    # written in place (GPU, plain CPU weights): halves too; packed CPU weights: whole layers only
+    applied = good if engine.cpu_weights == "packed" else {**good, **half}
     with pytest.raises(WeightError, match=f"unknown weight.*{len(applied)} weights from the buckets before it "
                                           f"were applied"):
         engine.update_weights(stream)

