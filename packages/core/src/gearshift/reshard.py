@@ -204,13 +204,20 @@ def stream_plan(
 
     `local_weights(names)` returns this rank's shards in the train layout (views are fine).
     A piece that is already whole and in the right dtype is passed on as is: no copy.
+    Pieces bound for another rank travel packed: one message per peer (and dtype) per bucket,
+    so a switch sends a few large messages rather than one per weight slice.
     """
     rank = gdist.rank() if rank is None else rank
+    dtypes = sorted({str(p.dtype) for p in plan.dst})
+    # one tag per bucket and dtype: both ends work it out from the plan alone
+    def tag(bucket: BucketPlan, dtype: torch.dtype) -> int:
+        return bucket.index * len(dtypes) + dtypes.index(str(dtype))
+
     for bucket in plan.buckets:
         local = local_weights(list(bucket.names))
         out: dict[str, torch.Tensor] = {}
-        ops: list[dist.P2POp] = []
-        pending: list[tuple[torch.Tensor, tuple[slice, ...], torch.Tensor]] = []
+        sends: dict[tuple[int, torch.dtype], list[torch.Tensor]] = {}
+        recvs: dict[tuple[int, torch.dtype], list[tuple[torch.Tensor, tuple[slice, ...], tuple[int, ...]]]] = {}
         for name in bucket.names:
             s, d = plan._src[name], plan._dst[name]
             src_box = s.placement.local_box(s.shape, rank)
@@ -226,18 +233,32 @@ def stream_plan(
                     piece = local[name][box_slices(t.box, src_box)]
                     if t.dst == rank:
                         out[name][box_slices(t.box, dst_box)] = piece
-                        continue
-                    ops.append(dist.P2POp(dist.isend, piece.to(d.dtype).contiguous(), t.dst, group, t.tag))
+                    else:
+                        sends.setdefault((t.dst, d.dtype), []).append(piece)
                 else:
-                    tmp = torch.empty(_box_shape(t.box), dtype=d.dtype, device=out[name].device)
-                    ops.append(dist.P2POp(dist.irecv, tmp, t.src, group, t.tag))
-                    pending.append((out[name], box_slices(t.box, dst_box), tmp))
-        if ops:
+                    recvs.setdefault((t.src, d.dtype), []).append(
+                        (out[name], box_slices(t.box, dst_box), _box_shape(t.box)))
+        if sends or recvs:
+            device = next(iter(out.values())).device
+            ops: list[dist.P2POp] = []
+            for (peer, dtype), pieces in sends.items():
+                flat = torch.cat([p.reshape(-1).to(dtype) for p in pieces])
+                ops.append(dist.P2POp(dist.isend, flat, peer, group, tag(bucket, dtype)))
+            landing = []
+            for (peer, dtype), places in recvs.items():
+                flat = torch.empty(sum(_numel(shape) for _, _, shape in places), dtype=dtype, device=device)
+                ops.append(dist.P2POp(dist.irecv, flat, peer, group, tag(bucket, dtype)))
+                landing.append((flat, places))
             for work in dist.batch_isend_irecv(ops):
                 work.wait()
-            for buf, where, tmp in pending:
-                buf[where] = tmp
-        ops = pending = work = buf = tmp = None  # else these hold this bucket's buffers while the next one is built
+            for flat, places in landing:
+                offset = 0
+                for buf, where, shape in places:
+                    n = _numel(shape)
+                    buf[where] = flat[offset:offset + n].view(shape)
+                    offset += n
+            # else these hold this bucket's buffers while the next one is built
+            ops = landing = sends = recvs = flat = work = buf = places = None
         yield WeightBucket(out, bucket.index)
 
 
