@@ -3,7 +3,7 @@
 # conformance suite in bf16 on a 0.5B-shape random Qwen2, the switch benchmark beside a plain device
 # copy of the same bytes, and a few GRPO steps. Wheels of gearshift, gearshift-fsdp and stevedore
 # travel in .whl/ (build them with tools/gpu/make_wheels.sh).
-#   tools/gpu/h200_checks.sh conformance|bench|grpo|fsdp-tests [OUT]
+#   tools/gpu/h200_checks.sh conformance|bench|share|grpo|two-gpus|fsdp-tests [OUT]
 set -uo pipefail
 what=${1:?what to run}; out=${2:-${OUT:-/tmp/out}}
 mkdir -p "$out"
@@ -21,6 +21,11 @@ case "$what" in
   bench)
     python3 -m gearshift bench switch --train fsdp --rollout hf --model qwen2-0.5b --rollout-options "$bf16" \
       --switches 5 --out "$out" 2>&1 | tee "$out/bench.log" ;;
+  share)  # float32 on both sides, one GPU: the hf engine serves from the trainer's own tensors
+    python3 -m gearshift conformance --train torch --rollout hf --model qwen2-0.5b \
+      -- -rA --junitxml "$out/share-conformance.xml" 2>&1 | tee "$out/share-conformance.log" | tail -40
+    python3 -m gearshift bench switch --train fsdp --rollout hf --model qwen2-0.5b --switches 5 \
+      --out "$out/share" 2>&1 | tee "$out/share-bench.log" | tail -22 ;;
   grpo)  # a random model earns no reward: the entropy bonus gives the update a gradient all the same
     python3 -m gearshift train model.path=qwen2-0.5b train.backend=fsdp rollout.backend="${ROLLOUT:-hf}" \
       rollout.options="$bf16" run.steps=4 run.prompts_per_step=16 rollout.n=8 run.checkpoint_every=2 \
@@ -35,6 +40,13 @@ case "$what" in
     timeout 120 python3 -m gearshift bench rollout --backends hf,vllm --model qwen2-0.5b --prompts 32 --n 4 \
       --max-tokens 128 --options '{"hf": {"dtype": "bfloat16"}, "vllm": {"dtype": "bfloat16"}}' 2>&1 | tail -5
     ROLLOUT=vllm timeout 150 bash "$0" grpo "$out" 2>&1 | grep -v "Loading\|Writing" | tail -8 ;;
+  two-gpus)  # torchrun over 2 GPUs (NCCL): fsdp shards over both, one hf replica per GPU
+    torchrun --nproc_per_node 2 -m gearshift conformance --train fsdp --rollout hf --model qwen2-0.5b \
+      --rollout-options "$bf16" --atol 0.5 -- -rA 2>&1 | tee "$out/two-gpus-conformance.log" | grep -v "^\[rank1\]" | tail -40
+    torchrun --nproc_per_node 2 -m gearshift train model.path=qwen2-0.5b train.backend=fsdp rollout.backend=hf \
+      rollout.options="$bf16" run.steps=4 run.prompts_per_step=16 rollout.n=8 run.checkpoint_every=2 \
+      algorithm.entropy_coef=0.01 run.output_dir="$out/grpo2" run.progress=false 2>&1 \
+      | tee "$out/two-gpus-grpo.log" | grep -v "Loading\|Writing" | tail -12 ;;
   fsdp-tests)
     python3 -m pytest packages/backend-fsdp/tests -m gpu -rA -p no:cacheprovider 2>&1 | tee "$out/fsdp-gpu.log" ;;
 esac

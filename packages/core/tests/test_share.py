@@ -109,3 +109,34 @@ def test_an_engine_that_cannot_borrow_gets_copies(pair):
     with pytest.raises(WeightError, match="cannot serve from another engine"):
         StreamingResharder(share=True).plan(train, other)
     assert not StreamingResharder().plan(train, other).share
+
+
+def test_a_bf16_engine_casts_in_its_own_copy(gearshift_model):
+    """A float32 trainer and a bfloat16 rollout engine cannot share; the stream then hands over the
+    trainer's float32 tensors as they are and the engine casts while copying (no bf16 copies on the way)."""
+    train = TorchTrainEngine(gearshift_model, lr=1e-2)
+    rollout = HFRolloutEngine(gearshift_model, dtype="bfloat16")
+    seen = []
+    update = rollout.update_weights
+
+    def spy(buckets):
+        def watch():
+            for bucket in buckets:
+                seen.extend(t.dtype for t in bucket.tensors.values())
+                yield bucket
+        return update(watch())
+
+    rollout.update_weights = spy
+    actor = HybridActor(train, rollout)
+    assert not actor.plan.share and "bfloat16" in StreamingResharder.share_refusal(actor.plan, train, rollout)
+    report = actor.to_rollout()
+    assert set(seen) == {torch.float32}
+    assert report.phase("load").bytes == actor.plan.bytes_received(0) == train.weight_spec().nbytes // 2
+    lent = train.local_weights(train.weight_spec().names())
+    mine = dict(rollout.model.named_parameters())
+    assert all(torch.equal(mine[n], t.to(torch.bfloat16)) for n, t in lent.items())
+    actor.to_train()
+    with pytest.raises(WeightError, match="floating-point"):
+        rollout.wake(["weights"])
+        rollout.update_weights([WeightBucket({"model.norm.weight": torch.ones(mine["model.norm.weight"].shape,
+                                                                             dtype=torch.int32)})])

@@ -199,11 +199,14 @@ def stream_plan(
     local_weights: Callable[[list[str]], Mapping[str, torch.Tensor]],
     rank: int | None = None,
     group: dist.ProcessGroup | None = None,
+    cast: bool = True,
 ) -> Iterator[WeightBucket]:
     """Yield this rank's weights in the rollout layout, bucket by bucket, running the plan's copies.
 
     `local_weights(names)` returns this rank's shards in the train layout (views are fine).
     A piece that is already whole and in the right dtype is passed on as is: no copy.
+    `cast=False` passes whole local pieces on in the trainer's dtype too, for a receiver that
+    casts as it copies (`RolloutEngine.casts_on_load`): one pass over the bytes instead of two.
     Pieces bound for another rank travel packed: one message per peer (and dtype) per bucket,
     so a switch sends a few large messages rather than one per weight slice.
     """
@@ -225,7 +228,7 @@ def stream_plan(
             mine = [t for t in plan.transfers[name] if t.src == rank or t.dst == rank]
             if len(mine) == 1 and mine[0].src == mine[0].dst == rank and mine[0].box == dst_box == src_box:
                 t = local[name]
-                out[name] = t if t.dtype == d.dtype else t.to(d.dtype)
+                out[name] = t if t.dtype == d.dtype or not cast else t.to(d.dtype)
                 continue
             out[name] = torch.empty(_box_shape(dst_box), dtype=d.dtype, device=local[name].device)
             for t in mine:
@@ -336,7 +339,7 @@ class StreamingResharder(Resharder):
 
     def sync(self, plan, train, rollout, timer=None) -> SwitchReport:
         timer = timer or PhaseTimer(train.device, "to_rollout")
-        stream = _TimedIterator(stream_plan(plan, train.local_weights))
+        stream = _TimedIterator(stream_plan(plan, train.local_weights, cast=not rollout.casts_on_load))
         with timer.phase("sync") as total:
             if plan.share:
                 rollout.share_weights(stream)
@@ -346,8 +349,8 @@ class StreamingResharder(Resharder):
         timer.add("export", stream.seconds)
         if plan.share:  # nothing lands anywhere: the rollout engine now reads the trainer's tensors
             timer.add("share", max(total.seconds - stream.seconds, 0.0), 0)
-        else:  # the bytes moved are those that land in the rollout engine: counted once, on load
-            timer.add("load", max(total.seconds - stream.seconds, 0.0), stream.bytes)
+        else:  # the bytes moved are those that land in the rollout engine, in its dtype: counted once, on load
+            timer.add("load", max(total.seconds - stream.seconds, 0.0), plan.bytes_received(gdist.rank()))
         return timer.report
 
 

@@ -81,6 +81,8 @@ class RolloutEngine(ABC):
     install: ClassVar[str] = ""
     #: the engine can serve from tensors it is handed, without copying them (`share_weights`)
     can_share_weights: ClassVar[bool] = False
+    #: `update_weights` takes floating-point tensors of any dtype and casts them as it copies them in
+    casts_on_load: ClassVar[bool] = False
 
     device: torch.device
     mesh: MeshSpec

@@ -21,6 +21,7 @@ class HFRolloutEngine(RolloutEngine):
     """Batched sampling with per-token logprobs; weights updated in place, or borrowed from the trainer."""
 
     can_share_weights = True
+    casts_on_load = True  # `copy_` casts: a float32 trainer's tensors need no bf16 copy on the way
 
     def __init__(
         self,
@@ -126,13 +127,17 @@ class HFRolloutEngine(RolloutEngine):
         loaded = 0
         for bucket in buckets:
             self._spec.check(bucket.tensors, gdist.rank())
+            for name, tensor in bucket.items():
+                if not tensor.is_floating_point():
+                    raise WeightError(f"weight {name!r} has dtype {tensor.dtype}: floating-point tensors only")
             if self._borrowed:  # writing in place would write into the lender's tensors
                 for name in self._borrowed:
                     self._params[name].data = self._params[name].data.clone()
                 self._borrowed.clear()
             for name, tensor in bucket.items():
-                self._params[name].copy_(tensor)
-                loaded += tensor.numel() * tensor.element_size()
+                p = self._params[name]
+                p.copy_(tensor)
+                loaded += p.numel() * p.element_size()
         self.reset_cache()
         return loaded
 
