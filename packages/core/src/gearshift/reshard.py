@@ -79,6 +79,7 @@ class ReshardPlan:
     share: bool = False  # the rollout engine serves from the trainer's tensors: a sync copies nothing
     _src: dict[str, ParamSpec] = field(default_factory=dict, repr=False)
     _dst: dict[str, ParamSpec] = field(default_factory=dict, repr=False)
+    _views: dict = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
         self._src = self.src.by_name()
@@ -87,6 +88,19 @@ class ReshardPlan:
     @property
     def world_size(self) -> int:
         return self.dst.mesh.world_size
+
+    def rank_view(self, rank: int, name: str) -> tuple[Box, Box, tuple[Transfer, ...], bool]:
+        """`rank`'s boxes of `name` in both layouts, its transfers, and whether it already holds the piece
+        it serves whole; worked out on first use and kept, so a sync repeats none of it."""
+        key = (rank, name)
+        view = self._views.get(key)
+        if view is None:
+            s, d = self._src[name], self._dst[name]
+            src_box, dst_box = s.placement.local_box(s.shape, rank), d.placement.local_box(d.shape, rank)
+            mine = tuple(t for t in self.transfers[name] if rank in (t.src, t.dst))
+            whole = len(mine) == 1 and mine[0].src == mine[0].dst == rank and mine[0].box == dst_box == src_box
+            view = self._views[key] = (src_box, dst_box, mine, whole)
+        return view
 
     def bytes_received(self, rank: int) -> int:
         """Bytes that land on `rank` in its rollout layout per sync."""
@@ -222,11 +236,9 @@ def stream_plan(
         sends: dict[tuple[int, torch.dtype], list[torch.Tensor]] = {}
         recvs: dict[tuple[int, torch.dtype], list[tuple[torch.Tensor, tuple[slice, ...], tuple[int, ...]]]] = {}
         for name in bucket.names:
-            s, d = plan._src[name], plan._dst[name]
-            src_box = s.placement.local_box(s.shape, rank)
-            dst_box = d.placement.local_box(d.shape, rank)
-            mine = [t for t in plan.transfers[name] if t.src == rank or t.dst == rank]
-            if len(mine) == 1 and mine[0].src == mine[0].dst == rank and mine[0].box == dst_box == src_box:
+            d = plan._dst[name]
+            src_box, dst_box, mine, whole = plan.rank_view(rank, name)
+            if whole:
                 t = local[name]
                 out[name] = t if t.dtype == d.dtype or not cast else t.to(d.dtype)
                 continue
