@@ -225,8 +225,7 @@ class FSDPTrainEngine(TorchTrainEngine):
         if gdist.world_size() == 1:
             return metrics
         keys = sorted(metrics)
-        values = torch.tensor([metrics[k] for k in keys], dtype=torch.float64,
-                              device=self.device if dist.get_backend() == "nccl" else "cpu")
+        values = torch.tensor([metrics[k] for k in keys], dtype=torch.float64, device=gdist.collective_device())
         dist.all_reduce(values)
         return dict(zip(keys, (values / gdist.world_size()).tolist()))
 

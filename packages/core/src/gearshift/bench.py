@@ -2,7 +2,9 @@
 
 Every figure is measured in the same run as the baselines it is compared with:
 the naive resharder (a safetensors file round trip), the copy limit (a plain
-copy of the same bytes on the same device) and the rollout engine's own load
+copy of the same bytes on the same device; with several ranks, plus an exchange
+of the bytes that cross ranks, one message per peer, over the same process
+group) and the rollout engine's own load
 of the same weights from memory (its fastest path, with no export before it).
 """
 
@@ -83,7 +85,8 @@ class SwitchBench:
             f"{'sync (export + share), median':<38}{self.sync_s:10.4f} s  shared, no bytes copied" if self.shared else
             f"{'sync (export + load), median':<38}{self.sync_s:10.4f} s  {self.bytes / self.sync_s / 1e9:6.2f} GB/s",
             f"{'naive resharder (file round trip)':<38}{self.naive_s:10.4f} s  {r['naive_over_sync']:6.1f}x the sync",
-            f"{'copy limit (plain copy, same bytes)':<38}{self.copy_s:10.4f} s  sync is {r['sync_over_copy']:.2f}x",
+            f"{'copy limit (plain copy, same bytes)':<38}{self.copy_s:10.4f} s  sync is {r['sync_over_copy']:.2f}x"
+            + (" (with the exchange between ranks)" if gdist.world_size() > 1 else ""),
             f"{'engine load from memory (no export)':<38}{self.engine_load_s:10.4f} s  "
             f"sync is {r['sync_over_engine_load']:.2f}x",
         ]
@@ -131,6 +134,39 @@ def _median_seconds(fn, repeats: int) -> float:
     return statistics.median(times)
 
 
+def _exchange(plan, device: torch.device):
+    """A callable that sends and receives, in one batch of one message per peer, as many bytes
+    (in the rollout dtypes) as the plan moves between this rank and each other rank."""
+    if not gdist.is_distributed():
+        return lambda: None
+    import torch.distributed as dist
+
+    rank = gdist.rank()
+    sent: dict[int, int] = {}
+    received: dict[int, int] = {}
+    for name, transfers in plan.transfers.items():
+        itemsize = plan._dst[name].dtype.itemsize
+        for t in transfers:
+            n = itemsize
+            for lo, hi in t.box:
+                n *= hi - lo
+            if t.src == rank != t.dst:
+                sent[t.dst] = sent.get(t.dst, 0) + n
+            elif t.dst == rank != t.src:
+                received[t.src] = received.get(t.src, 0) + n
+    out = {peer: torch.empty(n, dtype=torch.uint8, device=device) for peer, n in sent.items()}
+    into = {peer: torch.empty(n, dtype=torch.uint8, device=device) for peer, n in received.items()}
+
+    def run() -> None:
+        ops = [dist.P2POp(dist.isend, buf, peer) for peer, buf in out.items()]
+        ops += [dist.P2POp(dist.irecv, buf, peer) for peer, buf in into.items()]
+        if ops:
+            for work in dist.batch_isend_irecv(ops):
+                work.wait()
+
+    return run
+
+
 def measure_pair(train, rollout, switches: int = 5, naive_switches: int = 3, naive_dir: str | None = None,
                  progress: bool = False, labels: tuple[str, str, str] = ("", "", ""),
                  share: bool | None = None) -> SwitchBench:
@@ -163,10 +199,12 @@ def measure_pair(train, rollout, switches: int = 5, naive_switches: int = 3, nai
     rollout.wake(["weights"])
     engine_load_s = _median_seconds(lambda: rollout.update_weights([WeightBucket(full)]), max(switches, 1))
     rollout.sleep(["weights", "kv_cache"])
-    # The copy limit: the same bytes copied once, tensor by tensor, on the same device.
+    # The copy limit: the same bytes copied once, tensor by tensor, on the same device; with several
+    # ranks, plus the bytes that cross ranks exchanged over the same process group, one message per peer.
     src = list(full.values())
     dst = [torch.empty_like(t) for t in src]
-    copy_s = _median_seconds(lambda: [d.copy_(s) for d, s in zip(dst, src)], max(switches, 3))
+    exchange = _exchange(plan, src[0].device if src else train.device)
+    copy_s = _median_seconds(lambda: ([d.copy_(s) for d, s in zip(dst, src)], exchange()), max(switches, 3))
     return SwitchBench(*labels, plan.bytes_received(gdist.rank()), median_report(ups), median_report(downs),
                        median_report(naive), copy_s, engine_load_s)
 

@@ -269,7 +269,7 @@ def _average_over_ranks(metrics: dict[str, Any]) -> dict[str, Any]:
         keys = sorted(k for k in metrics if (k.endswith(suffix) if suffix else not k.endswith(("max", "min"))))
         if not keys:
             continue
-        t = torch.tensor([float(metrics[k]) for k in keys], dtype=torch.float64)
+        t = torch.tensor([float(metrics[k]) for k in keys], dtype=torch.float64, device=gdist.collective_device())
         dist.all_reduce(t, op=op)
         if not suffix:
             t /= gdist.world_size()

@@ -71,6 +71,13 @@ def barrier() -> None:
         dist.barrier()
 
 
+def collective_device() -> torch.device:
+    """Where tensors for collectives must live: the GPU under NCCL, the CPU under gloo."""
+    if is_distributed() and dist.get_backend() == "nccl":
+        return default_device()
+    return torch.device("cpu")
+
+
 def default_device() -> torch.device:
     if torch.cuda.is_available():
         return torch.device("cuda", torch.cuda.current_device())

@@ -89,17 +89,20 @@ class ReshardPlan:
     def world_size(self) -> int:
         return self.dst.mesh.world_size
 
-    def rank_view(self, rank: int, name: str) -> tuple[Box, Box, tuple[Transfer, ...], bool]:
-        """`rank`'s boxes of `name` in both layouts, its transfers, and whether it already holds the piece
-        it serves whole; worked out on first use and kept, so a sync repeats none of it."""
+    def rank_view(self, rank: int, name: str) -> tuple[tuple[int, ...], list[tuple], bool]:
+        """What `rank` does for `name`: the shape it serves, its pieces (source rank, destination rank,
+        slices of the source shard, slices of the served tensor, shape), and whether it already holds
+        the tensor it serves whole. Worked out on first use and kept, so a sync repeats none of it."""
         key = (rank, name)
         view = self._views.get(key)
         if view is None:
             s, d = self._src[name], self._dst[name]
             src_box, dst_box = s.placement.local_box(s.shape, rank), d.placement.local_box(d.shape, rank)
-            mine = tuple(t for t in self.transfers[name] if rank in (t.src, t.dst))
+            mine = [t for t in self.transfers[name] if rank in (t.src, t.dst)]
             whole = len(mine) == 1 and mine[0].src == mine[0].dst == rank and mine[0].box == dst_box == src_box
-            view = self._views[key] = (src_box, dst_box, mine, whole)
+            pieces = [(t.src, t.dst, box_slices(t.box, src_box) if t.src == rank else None,
+                       box_slices(t.box, dst_box) if t.dst == rank else None, _box_shape(t.box)) for t in mine]
+            view = self._views[key] = (_box_shape(dst_box), pieces, whole)
         return view
 
     def bytes_received(self, rank: int) -> int:
@@ -237,27 +240,27 @@ def stream_plan(
         recvs: dict[tuple[int, torch.dtype], list[tuple[torch.Tensor, tuple[slice, ...], tuple[int, ...]]]] = {}
         for name in bucket.names:
             d = plan._dst[name]
-            src_box, dst_box, mine, whole = plan.rank_view(rank, name)
+            shape, pieces, whole = plan.rank_view(rank, name)
             if whole:
                 t = local[name]
                 out[name] = t if t.dtype == d.dtype or not cast else t.to(d.dtype)
                 continue
-            out[name] = torch.empty(_box_shape(dst_box), dtype=d.dtype, device=local[name].device)
-            for t in mine:
-                if t.src == rank:
-                    piece = local[name][box_slices(t.box, src_box)]
-                    if t.dst == rank:
-                        out[name][box_slices(t.box, dst_box)] = piece
+            out[name] = torch.empty(shape, dtype=d.dtype, device=local[name].device)
+            for src, dst, src_slices, dst_slices, piece_shape in pieces:
+                if src == rank:
+                    piece = local[name][src_slices]
+                    if dst == rank:
+                        out[name][dst_slices].copy_(piece)
                     else:
-                        sends.setdefault((t.dst, d.dtype), []).append(piece)
+                        sends.setdefault((dst, d.dtype), []).append(piece.reshape(-1))
                 else:
-                    recvs.setdefault((t.src, d.dtype), []).append(
-                        (out[name], box_slices(t.box, dst_box), _box_shape(t.box)))
+                    recvs.setdefault((src, d.dtype), []).append((out[name], dst_slices, piece_shape))
         if sends or recvs:
             device = next(iter(out.values())).device
             ops: list[dist.P2POp] = []
-            for (peer, dtype), pieces in sends.items():
-                flat = torch.cat([p.reshape(-1).to(dtype) for p in pieces])
+            for (peer, dtype), flats in sends.items():  # packed and cast in one pass
+                flat = torch.empty(sum(f.numel() for f in flats), dtype=dtype, device=device)
+                torch.cat(flats, out=flat)
                 ops.append(dist.P2POp(dist.isend, flat, peer, group, tag(bucket, dtype)))
             landing = []
             for (peer, dtype), places in recvs.items():
@@ -267,13 +270,11 @@ def stream_plan(
             for work in dist.batch_isend_irecv(ops):
                 work.wait()
             for flat, places in landing:
-                offset = 0
-                for buf, where, shape in places:
-                    n = _numel(shape)
-                    buf[where] = flat[offset:offset + n].view(shape)
-                    offset += n
+                parts = flat.split([_numel(shape) for _, _, shape in places])
+                for (buf, where, shape), part in zip(places, parts):
+                    buf[where].copy_(part.view(shape))
             # else these hold this bucket's buffers while the next one is built
-            ops = landing = sends = recvs = flat = work = buf = places = None
+            ops = landing = sends = recvs = flat = flats = work = buf = places = parts = part = None
         yield WeightBucket(out, bucket.index)
 
 
