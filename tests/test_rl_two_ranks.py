@@ -34,3 +34,24 @@ def test_grpo_on_two_ranks(gearshift_model, tmp_path):
     assert all(r["reward/max"] >= r["reward/mean"] >= r["reward/min"] for r in rows)
     assert (out / "checkpoints" / "step_000002" / "COMPLETE").exists()
     assert json.dumps(rows)  # plain numbers only
+
+
+def test_a_rank_whose_samples_are_all_dropped_does_not_hang_the_others(gearshift_model, tmp_path):
+    if not any(b.name == "fsdp" and b.ready for b in registry.list_backends("train")):
+        pytest.skip("gearshift-fsdp not installed")
+    reward = tmp_path / "drop_on_rank1.py"
+    reward.write_text("import os\n\ndef score(completion, **row):\n"
+                      "    return None if os.environ.get('RANK') == '1' else float(len(completion))\n")
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(_free_port()),
+           "-m", "gearshift", "train", f"model.path={gearshift_model}", "train.backend=fsdp", "rollout.backend=hf",
+           f"reward.fn={reward}:score", "run.steps=2", "run.prompts_per_step=4", "rollout.n=2",
+           "rollout.max_tokens=3", "run.checkpoint_every=0", f"run.output_dir={out}", "run.progress=false",
+           "run.tensorboard=false", "run.plot=false"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "GEARSHIFT_DIST_TIMEOUT": "120"}
+    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    rows = read_jsonl(out / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [1, 2]
+    assert all(r["train/skipped"] == 1.0 and "train/pg_loss" not in r for r in rows)
+    assert "not trained" in proc.stdout

@@ -142,8 +142,15 @@ class Controller:
         with timed("reward"):
             kept, rewards = self._score(rollouts, rows)
         metrics: dict[str, Any] = {}
-        if kept:
+        # every rank trains or none does: a rank left without samples (all dropped by the reward)
+        # would otherwise skip the collectives the others wait in
+        if gdist.all_ranks(bool(kept)):
             metrics.update(self._learn(kept, rewards, timed))
+            metrics["train/skipped"] = 0.0
+        else:
+            metrics["train/skipped"] = 1.0
+            if self.rank == 0:
+                print(f"gearshift: step {self.step + 1} not trained: the reward dropped every sample of a rank")
         gen_tokens = sum(len(x.token_ids) for x in rollouts)
         metrics.update({
             "reward/mean": _mean(rewards), "reward/max": max(rewards, default=0.0),

@@ -71,6 +71,15 @@ def barrier() -> None:
         dist.barrier()
 
 
+def all_ranks(flag: bool) -> bool:
+    """True when `flag` is true on every rank (itself without a process group)."""
+    if not is_distributed():
+        return bool(flag)
+    t = torch.tensor([int(bool(flag))], device=collective_device())
+    dist.all_reduce(t, op=dist.ReduceOp.MIN)
+    return bool(t.item())
+
+
 def collective_device() -> torch.device:
     """Where tensors for collectives must live: the GPU under NCCL, the CPU under gloo."""
     if is_distributed() and dist.get_backend() == "nccl":
