@@ -236,6 +236,15 @@ def stream_plan(
     for bucket in plan.buckets:
         local = local_weights(list(bucket.names))
         out: dict[str, torch.Tensor] = {}
+        # the tensors this rank assembles are views into one buffer per dtype: one allocation, not one per weight
+        sizes: dict[torch.dtype, int] = {}
+        for name in bucket.names:
+            shape, _, whole = plan.rank_view(rank, name)
+            if not whole:
+                sizes[plan._dst[name].dtype] = sizes.get(plan._dst[name].dtype, 0) + _numel(shape)
+        device = local[bucket.names[0]].device if bucket.names else None
+        arena = {dtype: torch.empty(n, dtype=dtype, device=device) for dtype, n in sizes.items()}
+        used = dict.fromkeys(arena, 0)
         sends: dict[tuple[int, torch.dtype], list[torch.Tensor]] = {}
         recvs: dict[tuple[int, torch.dtype], list[tuple[torch.Tensor, tuple[slice, ...], tuple[int, ...]]]] = {}
         for name in bucket.names:
@@ -245,7 +254,9 @@ def stream_plan(
                 t = local[name]
                 out[name] = t if t.dtype == d.dtype or not cast else t.to(d.dtype)
                 continue
-            out[name] = torch.empty(shape, dtype=d.dtype, device=local[name].device)
+            start, n = used[d.dtype], _numel(shape)
+            out[name] = arena[d.dtype][start:start + n].view(shape)
+            used[d.dtype] = start + n
             for src, dst, src_slices, dst_slices, piece_shape in pieces:
                 if src == rank:
                     piece = local[name][src_slices]
@@ -275,6 +286,7 @@ def stream_plan(
                     buf[where].copy_(part.view(shape))
             # else these hold this bucket's buffers while the next one is built
             ops = landing = sends = recvs = flat = flats = work = buf = places = parts = part = None
+        arena = None  # the bucket's tensors keep what they view alive; the consumer decides when it goes
         yield WeightBucket(out, bucket.index)
 
 
