@@ -61,8 +61,8 @@ def main() -> int:
                     variants.append(("copy", ["--share", "off"]))
                 if rollout == "vllm" and not torch.cuda.is_available():
                     variants.append(("packed", ["--rollout-options", json.dumps({"cpu_weights": "packed"})]))
-    header = ("| train | rollout | sync | MB | sync s | copy s | engine load s | naive s | sync/copy | sync/engine load "
-              "| naive/sync |\n|---|---|---|---|---|---|---|---|---|---|---|")
+    header = ("| train | rollout | sync | MB | sync s | copy s | engine load s | naive s | sync/copy "
+              "| sync/engine load | naive/sync |\n|---|---|---|---|---|---|---|---|---|---|---|")
     text = f"Switch benchmark, model `{args.model}`, medians of {args.switches} switches\n\n{header}\n" + "\n".join(rows) + "\n"
     out.write_text(text)
     print(text)

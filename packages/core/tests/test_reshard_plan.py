@@ -72,6 +72,10 @@ def test_plan_moves_exactly_the_right_slices(train_mesh, train_shards, rollout_m
             box = s.placement.local_box(s.shape, t.src)
             assert all(lo >= b0 and hi <= b1 for (lo, hi), (b0, b1) in zip(t.box, box))
     assert len(plan.buckets) > 1 and sum(len(b.names) for b in plan.buckets) == len(SHAPES)
+    # what one rank sends to another is what that one receives from it
+    per_rank = [plan.peer_bytes(r) for r in range(plan.world_size)]
+    for r, (sent, _) in enumerate(per_rank):
+        assert sent == {d: n for d in range(plan.world_size) if (n := per_rank[d][1].get(r))}
 
 
 def test_replicated_source_sends_nothing_remote():

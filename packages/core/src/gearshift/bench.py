@@ -141,19 +141,7 @@ def _exchange(plan, device: torch.device):
         return lambda: None
     import torch.distributed as dist
 
-    rank = gdist.rank()
-    sent: dict[int, int] = {}
-    received: dict[int, int] = {}
-    for name, transfers in plan.transfers.items():
-        itemsize = plan._dst[name].dtype.itemsize
-        for t in transfers:
-            n = itemsize
-            for lo, hi in t.box:
-                n *= hi - lo
-            if t.src == rank != t.dst:
-                sent[t.dst] = sent.get(t.dst, 0) + n
-            elif t.dst == rank != t.src:
-                received[t.src] = received.get(t.src, 0) + n
+    sent, received = plan.peer_bytes(gdist.rank())
     out = {peer: torch.empty(n, dtype=torch.uint8, device=device) for peer, n in sent.items()}
     into = {peer: torch.empty(n, dtype=torch.uint8, device=device) for peer, n in received.items()}
 

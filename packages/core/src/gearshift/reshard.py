@@ -111,10 +111,20 @@ class ReshardPlan:
 
     def bytes_sent_remote(self, rank: int) -> int:
         """Bytes `rank` sends to other ranks per sync."""
-        return sum(
-            self._dst[t.name].dtype.itemsize * _numel(_box_shape(t.box))
-            for ts in self.transfers.values() for t in ts if t.src == rank and t.dst != rank
-        )
+        return sum(self.peer_bytes(rank)[0].values())
+
+    def peer_bytes(self, rank: int) -> tuple[dict[int, int], dict[int, int]]:
+        """Bytes `rank` sends to each other rank per sync, and bytes it receives from each (rollout dtypes)."""
+        sent: dict[int, int] = {}
+        received: dict[int, int] = {}
+        for name, transfers in self.transfers.items():
+            itemsize = self._dst[name].dtype.itemsize
+            for t in transfers:
+                if t.src == rank != t.dst:
+                    sent[t.dst] = sent.get(t.dst, 0) + itemsize * _numel(_box_shape(t.box))
+                elif t.dst == rank != t.src:
+                    received[t.src] = received.get(t.src, 0) + itemsize * _numel(_box_shape(t.box))
+        return sent, received
 
     def describe(self, rank: int = 0) -> str:
         n_local = sum(1 for ts in self.transfers.values() for t in ts if t.src == t.dst == rank)
@@ -201,12 +211,11 @@ def share_refusal(plan: ReshardPlan) -> str | None:
         s, d = plan._src[name], plan._dst[name]
         if s.dtype != d.dtype:
             return f"{name!r} is {s.dtype} in training but the rollout engine wants {d.dtype}"
-        for t in transfers:
-            if t.src != t.dst:
-                return f"{name!r} travels from rank {t.src} to rank {t.dst} (the layouts differ)"
         for r in range(plan.world_size):
-            want = d.placement.local_box(d.shape, r)
-            if want != s.placement.local_box(s.shape, r) or [t.box for t in transfers if t.dst == r] != [want]:
+            if not plan.rank_view(r, name)[2]:
+                t = next((t for t in transfers if t.src != t.dst), None)
+                if t is not None:
+                    return f"{name!r} travels from rank {t.src} to rank {t.dst} (the layouts differ)"
                 return f"rank {r} holds another slice of {name!r} in training than the rollout engine wants"
     return None
 
@@ -267,7 +276,6 @@ def stream_plan(
                 else:
                     recvs.setdefault((src, d.dtype), []).append((out[name], dst_slices, piece_shape))
         if sends or recvs:
-            device = next(iter(out.values())).device
             ops: list[dist.P2POp] = []
             for (peer, dtype), flats in sends.items():  # packed and cast in one pass
                 flat = torch.empty(sum(f.numel() for f in flats), dtype=dtype, device=device)
