@@ -24,7 +24,7 @@ def test_exported_policy_loads_in_vllm(gearshift_model, tmp_path):
     script = textwrap.dedent(f"""
         from gearshift import SamplingParams
         from gearshift_vllm.engine import VLLMRolloutEngine
-        engine = VLLMRolloutEngine({str(tmp_path / 'exported')!r}, cache_dir={str(tmp_path / 'vllm')!r},
+        engine = VLLMRolloutEngine.build({str(tmp_path / 'exported')!r}, cache_dir={str(tmp_path / 'vllm')!r},
                                    kv_cache_bytes=64 * 2**20)
         out = engine.generate([[72, 101, 108]], SamplingParams(temperature=0.0, max_tokens=4))
         assert len(out) == 1 and 1 <= len(out[0].token_ids) <= 4, out

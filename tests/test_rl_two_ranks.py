@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from gearshift import registry
-from gearshift.metrics import read_jsonl
+from gearshift.rl.metrics import read_jsonl
 
 
 def _free_port() -> int:

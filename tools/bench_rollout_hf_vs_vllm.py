@@ -22,7 +22,7 @@ from pathlib import Path
 
 
 def build(model: str, work: Path) -> str:
-    from gearshift.tiny import PRESETS, build_model
+    from gearshift.models.tiny import PRESETS, build_model
 
     if os.path.isdir(model):
         return model
@@ -83,9 +83,9 @@ def main() -> int:
     thread_counts = [int(t) for t in args.threads.split(",")]
 
     t0 = time.perf_counter()
-    vllm_engine = VLLMRolloutEngine(path, dtype=args.dtype, cache_dir=str(work / "vllm-cache"), kv_cache_bytes=1 << 30)
+    vllm_engine = VLLMRolloutEngine.build(path, dtype=args.dtype, cache_dir=str(work / "vllm-cache"), kv_cache_bytes=1 << 30)
     start_s = time.perf_counter() - t0
-    hf_engine = HFRolloutEngine(path, dtype=args.dtype)
+    hf_engine = HFRolloutEngine.build(path, dtype=args.dtype)
     weights = {k: v.to(vllm_engine.device) for k, v in reference_weights(path, vllm_engine.weight_spec()).items()}
 
     rows = []

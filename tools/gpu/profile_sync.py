@@ -16,7 +16,7 @@ import torch
 
 from gearshift import dist as gdist, registry
 from gearshift.hybrid import HybridActor
-from gearshift.tiny import resolve_model
+from gearshift.models import resolve_model
 
 
 def main() -> None:

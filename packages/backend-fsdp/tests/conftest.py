@@ -12,14 +12,14 @@ import os
 import pytest
 import torch.distributed as dist
 
-from gearshift_fsdp.engine import join_process_group
+from gearshift.dist import ensure_process_group
 
 UNDER_TORCHRUN = "WORLD_SIZE" in os.environ
 
 
 def pytest_configure(config):
     if UNDER_TORCHRUN:
-        join_process_group()
+        ensure_process_group()
 
 
 @pytest.fixture(scope="module", autouse=True)

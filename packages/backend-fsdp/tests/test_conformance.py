@@ -17,16 +17,18 @@ OPTIONS = {"param_dtype": "float32", **json.loads(os.environ.get("GEARSHIFT_FSDP
 
 
 class TestFSDPTrain(TrainEngineSuite):
+    train_backend = FSDPTrainEngine
     @pytest.fixture
     def train_engine_factory(self, gearshift_model):
-        return lambda **kw: FSDPTrainEngine(gearshift_model, **{**OPTIONS, **kw})
+        return lambda **kw: FSDPTrainEngine.build(gearshift_model, **{**OPTIONS, **kw})
 
 
 class TestFSDPWithHFRollout(PairSuite):
+    train_backend, rollout_backend = FSDPTrainEngine, HFRolloutEngine
     @pytest.fixture(scope="class")
     def train_engine(self, gearshift_model):
-        return FSDPTrainEngine(gearshift_model, lr=1e-2, **OPTIONS)
+        return FSDPTrainEngine.build(gearshift_model, lr=1e-2, **OPTIONS)
 
     @pytest.fixture(scope="class")
     def rollout_engine(self, gearshift_model):
-        return HFRolloutEngine(gearshift_model)
+        return HFRolloutEngine.build(gearshift_model)

@@ -10,7 +10,7 @@ pytestmark = pytest.mark.gpu
 
 
 def test_defaults_on_a_gpu(gearshift_model):
-    engine = FSDPTrainEngine(gearshift_model, lr=1e-2)
+    engine = FSDPTrainEngine.build(gearshift_model, lr=1e-2)
     assert engine.device.type == "cuda"
     assert engine.param_dtype == (torch.bfloat16 if torch.cuda.is_bf16_supported() else None)
     assert {p.dtype for p in engine.weight_spec()} == {torch.float32}  # fp32 master weights
@@ -19,8 +19,8 @@ def test_defaults_on_a_gpu(gearshift_model):
 
 
 def test_offload_frees_device_memory_and_onload_restores_it_bit_exactly(gearshift_model):
-    engine = FSDPTrainEngine(gearshift_model, lr=1e-2)
-    twin = FSDPTrainEngine(gearshift_model, lr=1e-2)
+    engine = FSDPTrainEngine.build(gearshift_model, lr=1e-2)
+    twin = FSDPTrainEngine.build(gearshift_model, lr=1e-2)
     for e in (engine, twin):
         e.train_step(fixed_batch(), nll)
     before = full_weights(engine)
@@ -42,13 +42,13 @@ def test_offload_frees_device_memory_and_onload_restores_it_bit_exactly(gearshif
 def test_cpu_offload_trains_like_the_default(gearshift_model):
     results = []
     for options in ({}, {"cpu_offload": True}):
-        engine = FSDPTrainEngine(gearshift_model, lr=1e-2, param_dtype="float32", **options)
+        engine = FSDPTrainEngine.build(gearshift_model, lr=1e-2, param_dtype="float32", **options)
         results.append([engine.train_step(fixed_batch(), nll)["loss"] for _ in range(2)])
     assert results[1] == pytest.approx(results[0], rel=1e-5)
 
 
 def test_export_peak_device_memory_is_one_bucket(gearshift_model):
-    engine = FSDPTrainEngine(gearshift_model, lr=1e-2, param_dtype="float32")
+    engine = FSDPTrainEngine.build(gearshift_model, lr=1e-2, param_dtype="float32")
     spec = engine.weight_spec()
     bucket_bytes = max(p.nbytes for p in spec)
     torch.cuda.synchronize()

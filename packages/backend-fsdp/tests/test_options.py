@@ -8,7 +8,7 @@ import os
 import pytest
 import torch
 from gearshift import dist as gdist
-from gearshift.backends.torch_train import position_ids
+from gearshift.module_train import position_ids
 from gearshift.conformance.train import assert_same, fixed_batch, full_weights, nll
 from gearshift.mesh import MeshSpec
 from gearshift.train import token_logprobs
@@ -18,7 +18,7 @@ from gearshift_fsdp.placement import HybridShard
 
 
 def build(model, **options):
-    return FSDPTrainEngine(model, **{"lr": 1e-2, "param_dtype": "float32", **options})
+    return FSDPTrainEngine.build(model, **{"lr": 1e-2, "param_dtype": "float32", **options})
 
 
 def trained(engine, steps: int = 2):
@@ -66,7 +66,7 @@ def test_reshard_after_forward_to_a_smaller_group(gearshift_model, reference):
 def test_cpu_offload_keeps_the_state_in_host_memory(gearshift_model):
     engine = build(gearshift_model, cpu_offload=True)
     engine.train_step(fixed_batch(), nll)
-    assert all(t.device.type == "cpu" for tag in ("params", "grads", "optimizer") for t in engine._state(tag))
+    assert all(t.device.type == "cpu" for tag in ("params", "grads", "optimizer") for t in engine._state_tensors(tag))
     assert engine.offload() == 0 and engine.onload() == 0  # already in host memory: nothing to move
 
 
@@ -102,7 +102,7 @@ def test_bfloat16_compute_keeps_float32_master_weights(gearshift_model):
     assert float((got - exact)[mask].abs().max()) > 1e-4  # ... which is not fp32
     assert {p.dtype for p in engine.weight_spec()} == {torch.float32}
     assert losses[-1] < losses[0] and all(w.dtype == torch.float32 for w in weights.values())
-    assert all(t.dtype == torch.float32 for t in engine._state("grads"))  # reduced in fp32
+    assert all(t.dtype == torch.float32 for t in engine._state_tensors("grads"))  # reduced in fp32
 
 
 def grad_norm(engine) -> float:

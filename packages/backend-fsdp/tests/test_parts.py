@@ -6,7 +6,7 @@ from gearshift import registry
 from gearshift.mesh import MeshError, MeshSpec
 
 from gearshift_fsdp.engine import FSDPTrainEngine
-from gearshift_fsdp.offload import HostStash
+from gearshift.offload import HostStash
 from gearshift_fsdp.parallelize import decoder_layers
 from gearshift_fsdp.placement import HybridShard
 
@@ -46,8 +46,8 @@ def test_hybrid_shard_slices_are_chunks_within_each_group():
 
 @pytest.mark.parametrize("arch", ["qwen2", "llama"])
 def test_decoder_layers_are_found(tmp_path, arch):
-    from gearshift.critic import ValueHeadModel
-    from gearshift.tiny import build_model
+    from gearshift.module_train import ValueHeadModel
+    from gearshift.models.tiny import build_model
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(build_model(tmp_path / arch, preset="tiny", arch=arch))
@@ -58,7 +58,7 @@ def test_decoder_layers_are_found(tmp_path, arch):
 def test_a_plain_process_gets_a_group_of_one(gearshift_model):
     import torch.distributed as dist
 
-    engine = FSDPTrainEngine(gearshift_model, param_dtype="float32")
+    engine = FSDPTrainEngine.build(gearshift_model, param_dtype="float32")
     assert dist.is_initialized() and dist.get_world_size() == 1
     assert engine.mesh == MeshSpec(dp=1) and engine.device_mesh.mesh_dim_names == ("dp",)
 
@@ -71,7 +71,7 @@ def test_an_untied_head_is_its_own_weight(tmp_path, gearshift_model):
     with torch.no_grad():
         model.lm_head.weight.copy_(-model.model.embed_tokens.weight)  # the file holds no head: it is new here
     model.save_pretrained(tmp_path / "untied")
-    engine = FSDPTrainEngine(str(tmp_path / "untied"), lr=1e-2, param_dtype="float32")
+    engine = FSDPTrainEngine.build(str(tmp_path / "untied"), lr=1e-2, param_dtype="float32")
     names = engine.weight_spec().names()
     assert "lm_head.weight" in names and "model.embed_tokens.weight" in names
     weights = full_weights(engine)

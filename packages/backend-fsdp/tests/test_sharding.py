@@ -25,7 +25,7 @@ from gearshift_fsdp.engine import FSDPTrainEngine
 @pytest.fixture(scope="module")
 def engine(gearshift_model):
     options = json.loads(os.environ.get("GEARSHIFT_FSDP_OPTIONS", "{}"))  # set by a launcher (hybrid sharding)
-    return FSDPTrainEngine(gearshift_model, lr=1e-2, param_dtype="float32", **options)
+    return FSDPTrainEngine.build(gearshift_model, lr=1e-2, param_dtype="float32", **options)
 
 
 def peak_cpu_bytes(fn) -> int:
@@ -75,7 +75,7 @@ def test_local_shards_are_the_model_weights(engine, gearshift_model):
 
 
 def test_plan_to_hf_rollout_sends_point_to_point(engine, gearshift_model):
-    rollout = HFRolloutEngine(gearshift_model)
+    rollout = HFRolloutEngine.build(gearshift_model)
     plan = plan_reshard(engine.weight_spec(), rollout.weight_spec())
     rank, world = gdist.rank(), gdist.world_size()
     print(f"rank {rank}: {plan.describe(rank)}")

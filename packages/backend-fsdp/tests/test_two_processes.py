@@ -89,7 +89,7 @@ def test_every_check_passes_on_both_ranks(two_process_run):
 def test_a_two_process_checkpoint_resumes_in_one(two_process_run, gearshift_model):
     _, _, handoff = two_process_run
     expected = torch.load(handoff / "expected.pt", weights_only=True)
-    engine = FSDPTrainEngine(gearshift_model, lr=1e-2, param_dtype="float32")
+    engine = FSDPTrainEngine.build(gearshift_model, lr=1e-2, param_dtype="float32")
     engine.load(str(handoff / "ckpt"))
     assert_same(full_weights(engine), expected["weights"])
     assert engine.train_step(fixed_batch(), nll)["loss"] == pytest.approx(expected["next_loss"], rel=1e-5)

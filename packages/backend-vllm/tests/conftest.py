@@ -49,7 +49,7 @@ LAYOUTS = ["auto"] if torch.cuda.is_available() else ["plain", "packed"]
 def vllm_engine(request, gearshift_model, vllm_cache_dir, host_before_engine):
     from gearshift_vllm import VLLMRolloutEngine
 
-    engine = VLLMRolloutEngine(gearshift_model, cache_dir=str(vllm_cache_dir), kv_cache_bytes=KV_CACHE_BYTES,
+    engine = VLLMRolloutEngine.build(gearshift_model, cache_dir=str(vllm_cache_dir), kv_cache_bytes=KV_CACHE_BYTES,
                                cpu_weights=request.param)
     yield engine
     engine.close()

@@ -8,7 +8,7 @@ from gearshift_vllm.engine import VLLMRolloutEngine
 
 
 class TestVLLMRollout(RolloutEngineSuite):
-    expected_failures = VLLMRolloutEngine.conformance_xfail.get("rollout", {})  # CPU: no sleep mode
+    rollout_backend = VLLMRolloutEngine  # its conformance_xfail: CPU vLLM has no sleep mode
 
     @pytest.fixture
     def rollout_engine(self, serving_model_weights):
@@ -16,9 +16,10 @@ class TestVLLMRollout(RolloutEngineSuite):
 
 
 class TestTorchVLLMPair(PairSuite):
+    train_backend, rollout_backend = TorchTrainEngine, VLLMRolloutEngine
     @pytest.fixture(scope="class")
     def train_engine(self, gearshift_model):
-        return TorchTrainEngine(gearshift_model, lr=1e-2)
+        return TorchTrainEngine.build(gearshift_model, lr=1e-2)
 
     @pytest.fixture
     def rollout_engine(self, serving_model_weights):

@@ -116,11 +116,11 @@ def test_package_imports_and_reports_missing_vllm_without_it(tmp_path):
         except registry.BackendError as e:
             print("LOAD", e)
         try:
-            VLLMRolloutEngine(sys.argv[1])
+            VLLMRolloutEngine.build(sys.argv[1])
         except ImportError as e:
             print("BUILD", e)
     """)
-    from gearshift.tiny import build_model
+    from gearshift.models.tiny import build_model
 
     model = build_model(tmp_path / "m")
     out = subprocess.run([sys.executable, "-c", script, model], capture_output=True, text=True, timeout=300)

@@ -52,7 +52,7 @@ def main() -> None:
     from gearshift_vllm import VLLMRolloutEngine
 
     mesh = MeshSpec(dp=2) if mode == "dp" else MeshSpec(tp=2)
-    engine = VLLMRolloutEngine(model, mesh=mesh, cache_dir=cache, kv_cache_bytes=64 << 20)
+    engine = VLLMRolloutEngine.build(model, mesh=mesh, cache_dir=cache, kv_cache_bytes=64 << 20)
     # dp: each rank serves its own share (of different sizes); tp: both ranks serve the same prompts
     prompts = (PROMPTS[:1] if rank == 0 else PROMPTS[1:]) if mode == "dp" else PROMPTS
     original = reference_weights(model, engine.weight_spec())

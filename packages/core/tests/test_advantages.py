@@ -3,8 +3,8 @@ import math
 import pytest
 import torch
 
-from gearshift.algos import compute_advantages, gae, group_ids_from_size, grpo, outcome_to_token_rewards, rloo, whiten
-from gearshift.algos.advantages import reinforce
+from gearshift.rl.algos import compute_advantages, gae, group_ids_from_size, grpo, outcome_to_token_rewards, rloo, whiten
+from gearshift.rl.algos.advantages import reinforce
 
 # one prompt token, then response tokens; row 2 is padded at the end
 MASK = torch.tensor([[0, 1, 1, 1], [0, 1, 1, 0], [0, 1, 1, 1], [0, 1, 0, 0]], dtype=torch.float32)

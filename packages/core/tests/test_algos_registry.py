@@ -1,6 +1,6 @@
 import pytest
 
-from gearshift.algos import ADVANTAGES, Registry, get_advantage, get_policy_loss, grpo, ppo_clip, register_advantage
+from gearshift.rl.algos import ADVANTAGES, Registry, get_advantage, get_policy_loss, grpo, ppo_clip, register_advantage
 
 
 def test_builtins_are_registered_under_their_names():

@@ -1,6 +1,6 @@
 import pytest
 
-from gearshift.config import Config, ConfigError, load_config, parse_overrides
+from gearshift.rl.config import Config, ConfigError, load_config, parse_overrides
 
 
 def test_overrides_are_typed_and_nested():

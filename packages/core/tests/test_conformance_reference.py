@@ -9,25 +9,28 @@ from gearshift.conformance import PairSuite, RolloutEngineSuite, TrainEngineSuit
 
 @pytest.fixture(scope="module")
 def hf_engine(gearshift_model):
-    return HFRolloutEngine(gearshift_model)
+    return HFRolloutEngine.build(gearshift_model)
 
 
 class TestHFRollout(RolloutEngineSuite):
+    rollout_backend = HFRolloutEngine
     @pytest.fixture
     def rollout_engine(self, hf_engine):
         return hf_engine
 
 
 class TestTorchTrain(TrainEngineSuite):
+    train_backend = TorchTrainEngine
     @pytest.fixture
     def train_engine_factory(self, gearshift_model):
-        return lambda **kw: TorchTrainEngine(gearshift_model, **kw)
+        return lambda **kw: TorchTrainEngine.build(gearshift_model, **kw)
 
 
 class TestTorchHFPair(PairSuite):
+    train_backend, rollout_backend = TorchTrainEngine, HFRolloutEngine
     @pytest.fixture(scope="class")
     def train_engine(self, gearshift_model):
-        return TorchTrainEngine(gearshift_model, lr=1e-2)
+        return TorchTrainEngine.build(gearshift_model, lr=1e-2)
 
     @pytest.fixture
     def rollout_engine(self, hf_engine):
@@ -37,7 +40,7 @@ class TestTorchHFPair(PairSuite):
 def test_unseeded_sampling_moves_on_and_seeded_sampling_repeats(gearshift_model):
     from gearshift import SamplingParams
 
-    hf_engine = HFRolloutEngine(gearshift_model)  # its own: the pair tests leave the shared one asleep
+    hf_engine = HFRolloutEngine.build(gearshift_model)  # its own: the pair tests leave the shared one asleep
 
     prompts = [[72, 101, 108, 108, 111]]
     free = SamplingParams(n=4, temperature=1.0, max_tokens=6)

@@ -9,14 +9,14 @@ import time
 import pytest
 
 from gearshift import Trainer
-from gearshift.metrics import read_jsonl
+from gearshift.rl.metrics import read_jsonl
 
 FAST = {"checkpoint_every": 0, "progress": False, "samples_per_step": 0, "tensorboard": False, "plot": False,
         "resume": "never"}
 
 
 def test_python_api_with_a_callable_reward_and_rows(gearshift_model, tmp_path):
-    from gearshift.data import PromptDataset
+    from gearshift.rl.data import PromptDataset
 
     calls = []
 

@@ -4,8 +4,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from gearshift.data import DataError, PromptDataset, Row, read_rows, render_prompt, tokenize_prompts
-from gearshift.tiny import build_tokenizer
+from gearshift.rl.data import DataError, PromptDataset, Row, read_rows, render_prompt, tokenize_prompts
+from gearshift.models.tiny import build_tokenizer
 
 CHAT = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "2+2?"}]
 

@@ -3,11 +3,11 @@ import math
 import pytest
 import torch
 
-from gearshift.algos import (
+from gearshift.rl.algos import (
     aggregate, kl_in_reward, kl_k1, kl_k2, kl_k3, make_policy_loss_fn, make_value_loss_fn, ppo_clip, tokens_per_seq,
     value_loss,
 )
-from gearshift.algos.losses import reinforce
+from gearshift.rl.algos.losses import reinforce
 from gearshift.train import PolicyOutput, TrainBatch
 
 
@@ -173,9 +173,9 @@ def test_value_loss_fn_reads_values_old_values_and_returns():
 
 def test_policy_loss_fn_plugs_into_train_step_and_raises_rewarded_tokens(tmp_path):
     from gearshift.backends.torch_train import TorchTrainEngine
-    from gearshift.tiny import build_model
+    from gearshift.models.tiny import build_model
 
-    engine = TorchTrainEngine(build_model(tmp_path / "tiny", preset="tiny"), lr=1e-2, micro_batch_size=1)
+    engine = TorchTrainEngine.build(build_model(tmp_path / "tiny", preset="tiny"), lr=1e-2, micro_batch_size=1)
     batch = TrainBatch.from_sequences([[1, 2, 3], [4, 5]], [[6, 7], [8, 9, 10]])
     batch.extras["advantages"] = batch.loss_mask * torch.tensor([[1.0], [-1.0]])
     batch.extras["old_logprobs"] = before = engine.forward_logprobs(batch).logprobs

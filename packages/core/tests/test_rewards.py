@@ -2,7 +2,7 @@ import math
 
 import pytest
 
-from gearshift.rewards import (
+from gearshift.rl.rewards import (
     Reward, RewardError, combine_rewards, exact_match, format_match, load_reward, numeric_match,
 )
 

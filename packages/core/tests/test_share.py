@@ -40,7 +40,7 @@ def test_a_plan_shares_only_when_every_rank_holds_what_it_serves(src, dst, reaso
 
 @pytest.fixture(scope="module")
 def pair(gearshift_model):
-    return TorchTrainEngine(gearshift_model, lr=1e-2), HFRolloutEngine(gearshift_model)
+    return TorchTrainEngine.build(gearshift_model, lr=1e-2), HFRolloutEngine.build(gearshift_model)
 
 
 def test_shared_sync_copies_nothing_and_follows_training(pair):
@@ -94,7 +94,7 @@ def test_choices_between_sharing_and_copying(pair):
     assert not HybridActor(train, rollout, offload_params=True).plan.share
     with pytest.raises(ValueError, match="offload_params"):
         HybridActor(train, rollout, StreamingResharder(share=True), offload_params=True)
-    with pytest.raises(TypeError, match="share must be"):
+    with pytest.raises(ValueError, match="share must be"):
         StreamingResharder(share="yes")
 
 
@@ -114,8 +114,8 @@ def test_an_engine_that_cannot_borrow_gets_copies(pair):
 def test_a_bf16_engine_casts_in_its_own_copy(gearshift_model):
     """A float32 trainer and a bfloat16 rollout engine cannot share; the stream then hands over the
     trainer's float32 tensors as they are and the engine casts while copying (no bf16 copies on the way)."""
-    train = TorchTrainEngine(gearshift_model, lr=1e-2)
-    rollout = HFRolloutEngine(gearshift_model, dtype="bfloat16")
+    train = TorchTrainEngine.build(gearshift_model, lr=1e-2)
+    rollout = HFRolloutEngine.build(gearshift_model, dtype="bfloat16")
     seen = []
     update = rollout.update_weights
 

@@ -3,8 +3,8 @@ import re
 
 import pytest
 
-from gearshift.rewards import load_reward
-from gearshift.tasks import TASK_REWARDS, TASKS, arithmetic, make_task, reverse, write_jsonl
+from gearshift.rl.rewards import load_reward
+from gearshift.rl.tasks import TASK_REWARDS, TASKS, arithmetic, make_task, reverse, write_jsonl
 
 
 def test_addition_rows_are_correct_short_and_seeded():

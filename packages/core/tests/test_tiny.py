@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from gearshift.tiny import PRESETS, build_model, resolve_model
+from gearshift.models import PRESETS, build_model, resolve_model
 
 
 @pytest.mark.parametrize("arch,cls", [("qwen2", "Qwen2ForCausalLM"), ("llama", "LlamaForCausalLM")])

@@ -23,17 +23,16 @@ vLLM is imported only when an engine is built, so this package imports (and
 from __future__ import annotations
 
 import gc
-from collections.abc import Sequence as SequenceABC
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar, Iterable, Sequence
 
 import torch
 
 from gearshift import dist as gdist
-from gearshift.backends.torch_train import parse_dtype
-from gearshift.mesh import MeshSpec
-from gearshift.rollout import ROLLOUT_TAGS, Rollout, RolloutEngine, RolloutError, SamplingParams
+from gearshift.options import option
+from gearshift.rollout import ROLLOUT_TAGS, Rollout, RolloutArgs, RolloutEngine, RolloutError, SamplingParams
 from gearshift.weights import WeightBucket, WeightError, WeightSpec
 
 from .cpu_loader import choose_layout, packed_modules, register_plain_loader
@@ -66,58 +65,46 @@ class VLLMRolloutEngine(RolloutEngine):
     install: ClassVar[str] = INSTALL
     conformance_xfail: ClassVar[dict[str, dict[str, str]]] = _conformance_xfail()
 
-    def __init__(
-        self,
-        model: str,
-        *,
-        mesh: MeshSpec | None = None,
-        dtype: str = "float32",
-        max_model_len: int | None = None,
-        seed: int = 0,
-        cache_dir: str | None = None,
-        kv_cache_bytes: int | None = None,
-        gpu_memory_utilization: float = 0.5,
-        sleep_level: int = 2,
-        enable_prefix_caching: bool = True,
-        enforce_eager: bool = True,
-        num_threads: int | None = None,
-        cpu_weights: str = "auto",
-        engine_kwargs: dict[str, Any] | None = None,
-    ) -> None:
-        """Build the engine for `model` (a local Hugging Face folder).
+    @dataclass(frozen=True)
+    class Options:
+        cache_dir: str | None = option(None, "vLLM's caches, sockets and temporary files (default "
+                                             "~/.cache/gearshift/vllm)")
+        kv_cache_bytes: int | None = option(None, "KV cache size (CPU default 1 GiB; GPU default: "
+                                                  "gpu_memory_utilization)")
+        gpu_memory_utilization: float = option(0.5, "share of GPU memory vLLM may take (GPU only)")
+        sleep_level: int = option(2, "GPU sleep: 2 discards the weights (the next sync refills them), 1 keeps a "
+                                     "host copy", choices=(1, 2))
+        enable_prefix_caching: bool = option(True, "reuse keys and values of shared prompt prefixes")
+        enforce_eager: bool = option(True, "no CUDA graphs / torch.compile (fast start)")
+        num_threads: int | None = option(None, "torch threads while vLLM runs (None: OMP_NUM_THREADS, else 1)")
+        cpu_weights: str = option("auto", "CPU weight layout: plain (written in place), packed (oneDNN, re-packed "
+                                          "each sync), auto (plain for float32)", choices=("auto", "plain", "packed"))
+        engine_kwargs: dict[str, Any] = option({}, "passed to vllm.LLM as they are")
 
-        `cache_dir`: vLLM's caches, sockets and temporary files (default ~/.cache/gearshift/vllm).
-        `kv_cache_bytes`: KV cache size (CPU default 1 GiB; GPU default: `gpu_memory_utilization`).
-        `sleep_level`: GPU only. 2 (default) discards the weights on sleep, since the next sync
-        refills them anyway; 1 keeps a host copy, for callers that sleep without a sync after.
-        `num_threads`: torch threads while the engine generates or loads weights; the host's count
-        is put back after each call. Default: what vLLM itself would choose, OMP_NUM_THREADS if set,
-        else 1 (several threads spin-wait on each other when the cores are shared; see the README).
-        `engine_kwargs` go to `vllm.LLM` as they are.
-        """
+    def __init__(self, args: RolloutArgs, options: "VLLMRolloutEngine.Options | None" = None) -> None:
+        """Build the engine for `args.model` (a local Hugging Face folder); see `Options` and the README."""
+        super().__init__(args, options)
+        opts = self.options
         world = gdist.world_size()
-        self.mesh = (mesh or MeshSpec(dp=world)).validate(world)
         if self.mesh.pp != 1 or self.mesh.sp != 1:
             raise ValueError(f"the vllm rollout backend takes mesh axes dp and tp only, got {self.mesh}")
-        if sleep_level not in (1, 2):
-            raise ValueError(f"sleep_level={sleep_level}: use 2 (discard weights) or 1 (keep a host copy)")
-        self.model_path = str(model)
+        self.model_path = args.model
         self.on_gpu = torch.cuda.is_available()
         self.device = gdist.default_device()
         self.rank = gdist.rank()
-        self.sleep_level = sleep_level
-        self.num_threads = num_threads if num_threads is not None else default_threads()
-        self.cache_dir = Path(cache_dir) if cache_dir else default_cache_dir()
+        self.sleep_level = opts.sleep_level
+        self.num_threads = opts.num_threads if opts.num_threads is not None else default_threads()
+        self.cache_dir = Path(opts.cache_dir) if opts.cache_dir else default_cache_dir()
 
         from transformers import AutoConfig
 
         config = AutoConfig.from_pretrained(self.model_path)
-        self.dtype = _config_dtype(config) if dtype == "auto" else parse_dtype(dtype)
+        self.dtype = args.torch_dtype
         self._vocab_size = int(config.vocab_size)
 
         kwargs: dict[str, Any] = dict(
-            model=self.model_path, dtype=str(self.dtype).removeprefix("torch."), seed=seed,
-            max_model_len=max_model_len, enforce_eager=enforce_eager, enable_prefix_caching=enable_prefix_caching,
+            model=self.model_path, dtype=args.dtype, seed=args.seed, max_model_len=args.max_model_len,
+            enforce_eager=opts.enforce_eager, enable_prefix_caching=opts.enable_prefix_caching,
             tensor_parallel_size=self.mesh.tp,
             # logprobs of the model's own distribution, before temperature, top-k and top-p
             logprobs_mode="raw_logprobs",
@@ -125,14 +112,14 @@ class VLLMRolloutEngine(RolloutEngine):
         if world > 1:
             kwargs["distributed_executor_backend"] = "external_launcher"
         if self.on_gpu:
-            kwargs.update(enable_sleep_mode=True, gpu_memory_utilization=gpu_memory_utilization)
-            if kv_cache_bytes is not None:
-                kwargs["kv_cache_memory_bytes"] = int(kv_cache_bytes)
+            kwargs.update(enable_sleep_mode=True, gpu_memory_utilization=opts.gpu_memory_utilization)
+            if opts.kv_cache_bytes is not None:
+                kwargs["kv_cache_memory_bytes"] = int(opts.kv_cache_bytes)
         else:
-            kwargs["kv_cache_memory_bytes"] = int(kv_cache_bytes or DEFAULT_CPU_KV_CACHE_BYTES)
-        kwargs.update(engine_kwargs or {})
+            kwargs["kv_cache_memory_bytes"] = int(opts.kv_cache_bytes or DEFAULT_CPU_KV_CACHE_BYTES)
+        kwargs.update(opts.engine_kwargs)
         #: CPU weight layout ("plain" or "packed"); None on GPU
-        self.cpu_weights = None if self.on_gpu else choose_layout(cpu_weights, self.dtype)
+        self.cpu_weights = None if self.on_gpu else choose_layout(opts.cpu_weights, self.dtype)
         if self.cpu_weights == "plain" and kwargs.get("load_format", "auto") not in ("auto", "safetensors"):
             raise ValueError(f"cpu_weights='plain' loads local safetensors itself; load_format="
                              f"{kwargs['load_format']!r} needs cpu_weights='packed'")
@@ -165,7 +152,7 @@ class VLLMRolloutEngine(RolloutEngine):
         if self.cpu_weights == "plain" and layout["packed_copies"]:
             raise RuntimeError(f"vLLM still computes {layout['packed_copies'][:3]} from packed copies with "
                                f"cpu_weights='plain': in-place updates would not reach them")
-        self._rng = RngState.seeded(seed + self.mesh.coords(self.rank)["dp"])
+        self._rng = RngState.seeded(args.seed + self.mesh.coords(self.rank)["dp"])
         self._asleep: set[str] = set()  # what the caller put to sleep
         self._released: set[str] = set()  # what vLLM actually released (GPU only)
         self._wake_together: set[str] = set()  # released as a side effect: woken with the next wake
@@ -231,16 +218,13 @@ class VLLMRolloutEngine(RolloutEngine):
         return self._spec
 
     def update_weights(self, buckets: Iterable[WeightBucket]) -> int:
-        """Load the buckets in place; a list is checked whole first, a stream bucket by bucket.
+        """Load the buckets in place, each checked before any of it is applied.
 
-        A bad bucket in a stream stops the update before any of that bucket is applied;
-        whole layers from the buckets before it stay applied (the error says how many).
+        A bad bucket stops the update before any of it is applied; the buckets before it
+        stay applied (with the packed CPU layout, in whole layers), and the error says how many.
         """
         if "weights" in self._asleep or "weights" in self._released:
             raise RolloutError("the engine's weights are asleep: call wake(['weights']) before updating them")
-        if isinstance(buckets, SequenceABC):
-            for bucket in buckets:
-                self._spec.check(bucket.tensors, self.rank)
         if self.cpu_weights == "packed":
             return self._reload_packed(buckets)
         return self._load_in_place(buckets)
@@ -262,10 +246,9 @@ class VLLMRolloutEngine(RolloutEngine):
             with self._calling_vllm():
                 for bucket in buckets:
                     try:
-                        self._spec.check(bucket.tensors, self.rank)
+                        items = list(self._spec.check(bucket.tensors, self.rank).items())
                     except WeightError as e:
                         raise WeightError(f"{e} ({applied} weights from the buckets before it were applied)") from e
-                    items = list(bucket.items())
                     self._llm.apply_model(lambda model, items=items: model.load_weights(iter(items)))
                     loaded += bucket.nbytes
                     applied += len(items)
@@ -323,11 +306,6 @@ class VLLMRolloutEngine(RolloutEngine):
         parallel_state.destroy_model_parallel()
         if self._owns_process_group:  # vLLM made a one-rank group for itself; a torchrun group stays
             parallel_state.destroy_distributed_environment()
-
-
-def _config_dtype(config) -> torch.dtype:
-    dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None) or torch.float32
-    return parse_dtype(dtype) if isinstance(dtype, (str, torch.dtype)) else torch.float32
 
 
 # --- run inside vLLM's worker (in this process), through `collective_rpc` ---------------------------

@@ -18,6 +18,7 @@ from typing import Iterable, Iterator, Mapping
 
 import torch
 
+from gearshift.hf import tied_aliases
 from gearshift.mesh import MeshSpec, Placement
 from gearshift.weights import ParamSpec, WeightBucket, WeightError, WeightSpec
 
@@ -31,7 +32,7 @@ def hf_weight_spec(model_path: str, mesh: MeshSpec, dtype: torch.dtype) -> Weigh
         model = AutoModelForCausalLM.from_config(config)
     placement = Placement.replicated(mesh)
     params = tuple(ParamSpec(name, tuple(p.shape), dtype, placement) for name, p in model.named_parameters())
-    return WeightSpec(mesh, params)
+    return WeightSpec(mesh, params, tied_aliases(model))
 
 
 def load_units(names: Iterable[str], modules: set[str], packed: Mapping[str, list[str]]) -> dict[str, str]:
@@ -85,8 +86,7 @@ class UnitFeeder:
         held: dict[str, dict[str, torch.Tensor]] = {}
         try:
             for bucket in self._buckets:
-                self._spec.check(bucket.tensors, self._rank)
-                for name, tensor in bucket.items():
+                for name, tensor in self._spec.check(bucket.tensors, self._rank).items():
                     unit = self._units[name]
                     pieces = held.setdefault(unit, {})
                     pieces[name] = tensor

@@ -21,7 +21,6 @@ from typing import Any
 import torch
 
 from . import dist as gdist, registry
-from .cli import command
 from .hybrid import HybridActor
 from .profiler import SwitchReport, median_report
 from .reshard import NaiveResharder, StreamingResharder
@@ -93,7 +92,7 @@ class SwitchBench:
         return "\n".join(lines)
 
     def plot(self, path: str | Path) -> bool:
-        from .metrics import pyplot
+        from .profiler import pyplot
 
         plt = pyplot()
         if plt is None:
@@ -201,7 +200,7 @@ def measure_switch(train_name: str, rollout_name: str, model: str, switches: int
                    train_options: dict | None = None, rollout_options: dict | None = None,
                    naive_dir: str | None = None, progress: bool = True, share: bool | None = None) -> SwitchBench:
     """Build the pair on `model` (a folder or preset) and measure it with `measure_pair`."""
-    from .tiny import resolve_model
+    from .models import resolve_model
 
     gdist.init()
     path = resolve_model(model)
@@ -251,7 +250,7 @@ def measure_rollout(names: list[str], model: str, prompts: int = 16, n: int = 4,
                     repeats: int = 3, options: dict | None = None) -> list[dict]:
     """Generated tokens/s of each rollout backend on the same model and batch (sampling, fixed seed)."""
     from .rollout import SamplingParams
-    from .tiny import resolve_model
+    from .models import resolve_model
 
     path = resolve_model(model)
     batch = [[(7 * i + j) % 200 + 32 for j in range(8 + i % 5)] for i in range(prompts)]
@@ -276,9 +275,8 @@ def measure_rollout(names: list[str], model: str, prompts: int = 16, n: int = 4,
 def measure_train(names: list[str], model: str, batch_size: int = 16, seq_len: int = 64, steps: int = 3,
                   options: dict | None = None) -> list[dict]:
     """Optimizer steps/s of each train backend on the same model and batch."""
-    from .conformance.train import nll
-    from .tiny import resolve_model
-    from .train import TrainBatch
+    from .models import resolve_model
+    from .train import TrainBatch, nll_loss
 
     gdist.init()
     path = resolve_model(model)
@@ -289,8 +287,8 @@ def measure_train(names: list[str], model: str, batch_size: int = 16, seq_len: i
     rows = []
     for name in names:
         engine = registry.create("train", name, model=path, lr=1e-5, **(options or {}).get(name, {}))
-        engine.train_step(batch, nll)  # warm-up
-        secs = _median_seconds(lambda: engine.train_step(batch, nll), steps)
+        engine.train_step(batch, nll_loss)  # warm-up
+        secs = _median_seconds(lambda: engine.train_step(batch, nll_loss), steps)
         rows.append({"backend": name, "model": model, "batch": batch_size, "seq_len": seq_len,
                      "seconds_per_step": secs, "steps_per_s": 1 / secs,
                      "tokens_per_s": batch_size * seq_len / secs})
@@ -329,15 +327,14 @@ def _print_rows(rows: list[dict]) -> None:
             print("  ".join("-" * w for w in widths))
 
 
-def _bench_args(p: argparse.ArgumentParser) -> None:
+def add_bench_arguments(p: argparse.ArgumentParser) -> None:
     sub = p.add_subparsers(dest="what", metavar="WHAT", required=True)
     _switch_args(sub.add_parser("switch", help="switch latency of a pair beside naive, copy and engine-load baselines"))
     _rollout_args(sub.add_parser("rollout", help="generated tokens/s of rollout backends, side by side"))
     _train_bench_args(sub.add_parser("train", help="train steps/s of train backends, side by side"))
 
 
-@command("bench", "benchmarks: switch latency, rollout tokens/s, train steps/s", _bench_args)
-def bench(args: argparse.Namespace) -> int:
+def bench_command(args: argparse.Namespace) -> int:
     if args.what == "switch":
         return bench_switch(args)
     names = [n.strip() for n in args.backends.split(",") if n.strip()]

@@ -1,50 +1,97 @@
 """`gearshift`: the command line.
 
     gearshift train [config.yaml] [key=value ...]   run an RL job (no arguments: the built-in demo task)
-    gearshift backends                              what is installed, what is missing and how to get it
+    gearshift backends [NAME]                       what is installed and how to get the rest; NAME: its options
     gearshift env                                   versions and devices
     gearshift bench switch|rollout|train ...        benchmarks
     gearshift conformance --train X --rollout Y     the conformance suite for any installed pair
+
+Each command is a pair of functions named in `COMMANDS`: one adds its
+arguments to a parser, one runs it and returns the exit code. Their modules
+are imported when the parser is built.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
+import os
 import sys
 from typing import Callable
 
-COMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None], Callable[[argparse.Namespace], int]]] = {}
+#: name -> (help, "module:add_arguments" or None, "module:run")
+COMMANDS: dict[str, tuple[str, str | None, str]] = {
+    "train": ("run an RL job (GRPO by default); no arguments: the built-in arithmetic task on CPU",
+              "gearshift.rl.run:add_train_arguments", "gearshift.rl.run:train_command"),
+    "backends": ("list backends (kind, name, package, ready or what is missing); with NAME, its options",
+                 "gearshift.cli:add_backends_arguments", "gearshift.cli:backends_command"),
+    "env": ("versions of Python, torch, transformers and each engine; devices", None, "gearshift.cli:env_command"),
+    "bench": ("benchmarks: switch latency, rollout tokens/s, train steps/s",
+              "gearshift.bench:add_bench_arguments", "gearshift.bench:bench_command"),
+    "conformance": ("run the conformance suite on installed backends; exits non-zero on failure",
+                    "gearshift.conformance.cli:add_conformance_arguments",
+                    "gearshift.conformance.cli:conformance_command"),
+}
 
 
-def command(name: str, help: str, setup: Callable[[argparse.ArgumentParser], None] | None = None):
-    """Register `run(args) -> exit code` as a subcommand; `setup(parser)` adds its arguments."""
-
-    def register(run):
-        COMMANDS[name] = (help, setup or (lambda parser: None), run)
-        return run
-
-    return register
+def _resolve(target: str) -> Callable:
+    module, _, name = target.partition(":")
+    return getattr(importlib.import_module(module), name)
 
 
-def _table(rows: list[tuple[str, ...]]) -> str:
+def table(rows: list[tuple[str, ...]]) -> str:
+    """Rows as aligned columns, the first row a header underlined with dashes."""
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
     lines.insert(1, "  ".join("-" * w for w in widths))
     return "\n".join(lines)
 
 
-def _backends_args(parser: argparse.ArgumentParser) -> None:
+def add_backends_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("name", nargs="?", help="a backend: print its options with types, defaults and help")
     parser.add_argument("--kind", choices=["rollout", "train", "reshard"], help="only backends of this kind")
 
 
-@command("backends", "list backends: kind, name, package, and ready or what is missing", _backends_args)
-def backends(args: argparse.Namespace) -> int:
+def backends_command(args: argparse.Namespace) -> int:
     from . import registry
 
+    if args.name:
+        return _print_options(args.name, args.kind)
     rows = [("kind", "name", "package", "status")]
     for b in registry.list_backends(args.kind):
         rows.append((b.kind, b.name, b.package, b.status))
-    print(_table(rows))
+    print(table(rows))
+    return 0
+
+
+def _print_options(name: str, kind: str | None) -> int:
+    import inspect
+
+    from . import registry
+    from .options import describe
+
+    kinds = [kind] if kind else [k for k in registry.KINDS if any(r.name == name for r in registry.list_backends(k))]
+    if not kinds:
+        raise registry.BackendError(f"no backend named {name!r}; 'gearshift backends' lists them")
+    for k in kinds:
+        cls = registry.load(k, name)
+        print(f"{k} backend {name!r}: {cls.__module__}.{cls.__name__}")
+        doc = inspect.getdoc(cls)
+        if doc:
+            print("  " + doc.splitlines()[0])
+        if k == "reshard":
+            rows = [("option", "default")] + [(p.name, repr(p.default)) for p in
+                                              inspect.signature(cls.__init__).parameters.values() if p.name != "self"]
+        else:
+            rows = [("option", "type", "default", "help")]
+            described = describe(cls)
+            for where in ("common", "own"):
+                mine = [r for r in described if r[0] == where]
+                if where == "own" and not mine:
+                    continue
+                rows.append((f"[{'every ' + k + ' engine' if where == 'common' else cls.__name__}]", "", "", ""))
+                rows.extend(r[1:] for r in mine)
+        print(table(rows))
     return 0
 
 
@@ -57,9 +104,7 @@ def _version(dist: str) -> str | None:
         return None
 
 
-@command("env", "versions of Python, torch, transformers and each engine; devices")
-def env(args: argparse.Namespace) -> int:
-    import os
+def env_command(args: argparse.Namespace) -> int:
     import platform
 
     import torch
@@ -77,14 +122,13 @@ def env(args: argparse.Namespace) -> int:
             rows.append((f"cuda:{i}", f"{p.name}, {p.total_memory / 2**30:.0f} GiB, cuda {torch.version.cuda}"))
     else:
         rows.append(("cuda", "no CUDA device"))
-    print(_table(rows))
+    print(table(rows))
     return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
     from . import __version__
 
-    _load_commands()
     parser = argparse.ArgumentParser(
         prog="gearshift",
         description="RL post-training of LLMs with near-free switches between training and rollout.",
@@ -94,21 +138,10 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, (help_, setup, run) in COMMANDS.items():
         p = sub.add_parser(name, help=help_, description=help_[0].upper() + help_[1:] + ".")
-        setup(p)
+        if setup:
+            _resolve(setup)(p)
         p.set_defaults(run=run)
     return parser
-
-
-def _load_commands() -> None:
-    """Commands that live in their own modules register themselves on import."""
-    import importlib
-
-    for module in ("gearshift.run", "gearshift.bench", "gearshift.conformance.cli"):
-        try:
-            importlib.import_module(module)
-        except ModuleNotFoundError as err:
-            if err.name != module:
-                raise
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -120,8 +153,13 @@ def main(argv: list[str] | None = None) -> int:
     from .registry import BackendError
 
     try:
-        return int(args.run(args) or 0)
+        code = int(_resolve(args.run)(args) or 0)
+        sys.stdout.flush()  # inside the try: a closed pipe fails here, not at exit
+        return code
     except (BackendError, ValueError, FileNotFoundError) as err:
         print(f"gearshift {args.command}: error: {err}", file=sys.stderr)
         return 2
-
+    except BrokenPipeError:  # the reader went away (`gearshift backends | head`): stop quietly
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 141

@@ -98,3 +98,43 @@ def synchronize(device: torch.device | str | None = None) -> None:
     device = torch.device(device) if device is not None else default_device()
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def average_metrics(metrics: dict[str, float]) -> dict[str, float]:
+    """Means over ranks, except maxima and minima (keys ending in max or min), which stay extremes.
+
+    Every rank must call it with the same keys; without a process group it returns `metrics`.
+    """
+    if not is_distributed():
+        return dict(metrics)
+    out = dict(metrics)
+    for suffix, op in (("max", dist.ReduceOp.MAX), ("min", dist.ReduceOp.MIN), ("", dist.ReduceOp.SUM)):
+        keys = sorted(k for k in metrics if (k.endswith(suffix) if suffix else not k.endswith(("max", "min"))))
+        if not keys:
+            continue
+        t = torch.tensor([float(metrics[k]) for k in keys], dtype=torch.float64, device=collective_device())
+        dist.all_reduce(t, op=op)
+        if not suffix:
+            t /= world_size()
+        out.update(zip(keys, t.tolist()))
+    return out
+
+
+def ensure_process_group(device: torch.device | str | None = None) -> None:
+    """Join torchrun's process group, or make one of size 1 in a plain process (for engines that need one).
+
+    On a GPU the group has a gloo side beside nccl: state kept in host memory is
+    reduced there, as are a checkpoint's host-side objects. A group made here is
+    this process's for good: engines use it and never destroy it.
+    """
+    if is_distributed():
+        return
+    cuda = torch.device(device).type == "cuda" if device else torch.cuda.is_available()
+    backend = "cuda:nccl,cpu:gloo" if cuda else "gloo"
+    if cuda:
+        index = torch.device(device).index if device else None
+        torch.cuda.set_device(index if index is not None else int(os.environ.get("LOCAL_RANK", "0")))
+    if "WORLD_SIZE" in os.environ:
+        init(backend)
+    else:
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)

@@ -183,3 +183,22 @@ def median_report(reports: list[SwitchReport]) -> SwitchReport:
             )
         )
     return out
+
+
+def peak_memory_bytes() -> int:
+    """The CUDA allocator's high-water mark, or the process's resident-set high-water mark."""
+    if torch.cuda.is_available():
+        return torch.cuda.max_memory_allocated()
+    return proc_status_bytes("VmHWM")
+
+
+def pyplot():
+    """matplotlib.pyplot on a file-only backend, or None when matplotlib is not installed."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    return plt

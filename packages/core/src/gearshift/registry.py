@@ -3,8 +3,11 @@
 Every failure here becomes an error that says what to do: a backend that is
 not installed names the package to install, a plugin that fails to import
 shows its error (it is never skipped silently), two plugins under one name
-name both packages. `register` adds a backend defined in the user's own code,
-checked the same way.
+name both packages and how to pick one (`package:name`, e.g.
+`gearshift-vllm:vllm`), an engine class whose options are malformed says
+what is wrong. `register` adds a backend defined in the user's own code,
+checked the same way. `create` builds an engine through the construction
+contract (gearshift.options).
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from typing import Any
 
 from stevedore import ExtensionManager
 
+from .options import EngineError, OptionError, check_engine_class
 from .reshard import Resharder
 from .rollout import RolloutEngine
 from .train import TrainEngine
@@ -121,10 +125,23 @@ def missing_requirements(cls: type) -> list[str]:
     return missing
 
 
-def _info(kind: str, name: str, cls: type, package: str) -> BackendInfo:
+def class_problem(kind: str, cls: Any) -> str | None:
+    """Why `cls` cannot be a backend of `kind` (None: it can)."""
     base = KINDS[kind]
     if not (isinstance(cls, type) and issubclass(cls, base)):
-        return BackendInfo(kind, name, package, error=f"{cls!r} is not a subclass of {base.__name__}")
+        return f"{cls!r} is not a subclass of {base.__name__}"
+    if kind != "reshard":
+        try:
+            check_engine_class(cls)
+        except EngineError as err:
+            return str(err)
+    return None
+
+
+def _info(kind: str, name: str, cls: type, package: str) -> BackendInfo:
+    problem = class_problem(kind, cls)
+    if problem:
+        return BackendInfo(kind, name, package, error=problem)
     return BackendInfo(kind, name, package, cls, missing=missing_requirements(cls),
                        install=getattr(cls, "install", ""))
 
@@ -148,8 +165,12 @@ def list_backends(kind: str | None = None) -> list[BackendInfo]:
                 by_name.setdefault(name, []).append(_info(k, name, cls, f"(registered in {cls.__module__})"))
         for name, infos in sorted(by_name.items()):
             if len(infos) > 1:
-                packages = " and ".join(sorted(i.package for i in infos))
-                rows.append(BackendInfo(k, name, packages, error=f"{k} backend {name!r} is defined by both {packages}"))
+                packages = sorted(i.package for i in infos)
+                picks = " or ".join(f"'{p}:{name}'" for p in packages)
+                rows.append(BackendInfo(k, name, " and ".join(packages), error=(
+                    f"{k} backend {name!r} is defined by both {' and '.join(packages)}: name one as {picks}")))
+                rows.extend(BackendInfo(i.kind, f"{i.package}:{name}", i.package, i.cls, i.error, i.missing,
+                                        i.install) for i in infos)
             else:
                 rows.append(infos[0])
         for (kk, name), (package, install) in KNOWN_PACKAGES.items():
@@ -165,9 +186,14 @@ def list_backends(kind: str | None = None) -> list[BackendInfo]:
 
 
 def load(kind: str, name: str) -> type:
-    """The class of backend `name` of `kind`; a `BackendError` says why it cannot be had."""
+    """The class of backend `name` of `kind` ('package:name' picks among plugins that share a name);
+    a `BackendError` says why it cannot be had."""
     _check_kind(kind)
-    info = next((r for r in list_backends(kind) if r.name == name), None)
+    rows = list_backends(kind)
+    info = next((r for r in rows if r.name == name), None)
+    if info is None and ":" in name:  # 'package:name' of a name only one package defines
+        package, _, short = name.rpartition(":")
+        info = next((r for r in rows if r.name == short and r.package == package), None)
     if info is None:
         names = sorted({r.name for r in list_backends(kind) if r.cls is not None})
         raise BackendError(f"no {kind} backend named {name!r}; installed: {names or 'none'}")
@@ -186,8 +212,19 @@ def load(kind: str, name: str) -> type:
 
 
 def create(kind: str, name: str, **options: Any):
-    """Load backend `name` of `kind` and build it with `options`."""
-    return load(kind, name)(**options)
+    """Load backend `name` of `kind` and build it with `options` (an engine: `model=` plus its options)."""
+    cls = load(kind, name)
+    if kind == "reshard":
+        try:
+            return cls(**options)
+        except TypeError as err:
+            raise BackendError(f"reshard backend {name!r}: {err}") from None
+    if "model" not in options:
+        raise BackendError(f"{kind} backend {name!r} needs model=PATH (a local Hugging Face folder)")
+    try:
+        return cls.build(options.pop("model"), **options)
+    except (OptionError, EngineError) as err:
+        raise type(err)(f"{kind} backend {name!r}: {err}") from None
 
 
 def register(kind: str, name: str, cls: type) -> None:
@@ -195,6 +232,9 @@ def register(kind: str, name: str, cls: type) -> None:
     base = _check_kind(kind)
     if not (isinstance(cls, type) and issubclass(cls, base)):
         raise BackendError(f"cannot register {cls!r} as a {kind} backend: it must subclass {base.__name__}")
+    problem = class_problem(kind, cls)
+    if problem:
+        raise BackendError(f"cannot register {cls.__name__} as {kind} backend {name!r}: {problem}")
     for info in list_backends(kind):
         if info.name == name and (info.cls is not None or info.error) and info.cls is not cls:
             raise BackendError(f"{kind} backend {name!r} already exists (from {info.package}); pick another name")

@@ -2,8 +2,19 @@
 
 Prompts are token ids; the RL loop tokenizes. Log-probabilities are those of
 the model's own distribution (temperature 1, no top-k/top-p truncation) of
-each sampled token, so they compare directly with the train engine's
-`forward_logprobs`.
+each sampled token, whatever the sampling temperature, so they compare
+directly with the train engine's `forward_logprobs`.
+
+Construction (gearshift.options): every rollout engine is built by
+`Engine.build(model, **options)` from the common `RolloutArgs` below plus its
+own `Options` dataclass, and sets `device`, `mesh` and `max_model_len`. The
+rollout mesh covers the same ranks as the train mesh (the planner checks).
+
+Memory: `sleep(tags)` releases the tagged memory (`weights`, `kv_cache`) and
+`wake(tags)` takes it back; sleeping either tag drops the prefix cache;
+released weights hold garbage until the next `update_weights`. While any tag
+sleeps, `generate` raises `RolloutError`; while the weights sleep,
+`update_weights` does too.
 """
 
 from __future__ import annotations
@@ -15,10 +26,17 @@ from typing import ClassVar, Iterable, Sequence
 import torch
 
 from .mesh import MeshSpec
-from .train import check_tags
+from .options import Buildable, EngineArgs, option
+from .tags import ROLLOUT_TAGS, check_tags
 from .weights import WeightBucket, WeightSpec
 
-ROLLOUT_TAGS = ("weights", "kv_cache")
+
+@dataclass(frozen=True)
+class RolloutArgs(EngineArgs):
+    """What every rollout engine is built from (besides its own `Options`)."""
+
+    max_model_len: int | None = option(None, "context length in tokens, prompt and completion together "
+                                             "(None: the model's own)")
 
 
 class RolloutError(ValueError):
@@ -74,31 +92,48 @@ class Rollout:
     extra: dict = field(default_factory=dict)
 
 
-class RolloutEngine(ABC):
-    """A generator for one causal LM that takes new weights in place between rollouts."""
+class RolloutEngine(Buildable, ABC):
+    """A generator for one causal LM that takes new weights in place between rollouts.
 
-    requires: ClassVar[tuple[str, ...]] = ()
-    install: ClassVar[str] = ""
+    Subclass it, declare `Options`, implement `__init__(self, args, options)` (call
+    `super().__init__(args, options)`; set `device` and `max_model_len`) and the
+    abstract methods below.
+    """
+
+    Args: ClassVar[type] = RolloutArgs
+    required_attributes: ClassVar[dict[str, str]] = {"max_model_len": "a positive int (the context length)"}
     #: the engine can serve from tensors it is handed, without copying them (`share_weights`)
     can_share_weights: ClassVar[bool] = False
     #: `update_weights` takes floating-point tensors of any dtype and casts them as it copies them in
     casts_on_load: ClassVar[bool] = False
 
+    args: RolloutArgs
     device: torch.device
     mesh: MeshSpec
     max_model_len: int
 
     @abstractmethod
     def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams) -> list[Rollout]:
-        """`sampling.n` rollouts per prompt, grouped by prompt in order."""
+        """`sampling.n` rollouts per prompt, grouped by prompt in order, with temperature-1 logprobs.
+
+        Raises `RolloutError` on input no engine can serve (`check_prompts`) and while any tag sleeps.
+        """
 
     @abstractmethod
     def weight_spec(self) -> WeightSpec:
-        """The weights the engine takes (Hugging Face names), their shapes, dtypes and placements."""
+        """The weights the engine takes (`named_parameters()` names, a tied head as an alias), their
+        shapes, dtypes and placements."""
 
     @abstractmethod
     def update_weights(self, buckets: Iterable[WeightBucket]) -> int:
-        """Load the buckets in place and reset the cache; a bad bucket raises before any of it is applied."""
+        """Load the buckets in place; returns the bytes of the tensors handed in.
+
+        Each bucket is checked (`WeightSpec.check`: names, this rank's shapes) before any of it
+        is applied: a bad bucket raises `WeightError` and none of it lands. Buckets before it
+        stay applied (the error says how many weights were), and the engine keeps serving. The
+        prefix cache is dropped once the update ends, however it ends. Raises `RolloutError`
+        while the weights sleep.
+        """
 
     def share_weights(self, buckets: Iterable[WeightBucket]) -> int:
         """Serve from the buckets' tensors themselves, copying nothing; returns the bytes now borrowed.
@@ -114,15 +149,17 @@ class RolloutEngine(ABC):
 
     @abstractmethod
     def sleep(self, tags: Sequence[str] = ROLLOUT_TAGS) -> None:
-        """Release the tagged memory; released weights hold garbage until the next `update_weights`."""
+        """Release the tagged memory and drop the prefix cache; released weights hold garbage until the next
+        `update_weights`."""
 
     @abstractmethod
     def wake(self, tags: Sequence[str] = ROLLOUT_TAGS) -> None:
-        """Take back the memory `sleep` released."""
+        """Take back the memory `sleep` released (woken weights still need an `update_weights`)."""
 
     @abstractmethod
     def reset_cache(self) -> None:
-        """Drop cached prefixes, which hold keys and values computed with older weights."""
+        """Drop cached prefixes, which hold keys and values computed with older weights (the switch calls it
+        after every sync, so an engine that changes weights in another way stays correct)."""
 
     def resident_bytes(self) -> dict[str, int]:
         """Bytes the engine holds now for each tag it can release (empty: not measurable)."""
@@ -154,3 +191,6 @@ class RolloutEngine(ABC):
     @staticmethod
     def _tags(tags: Sequence[str]) -> list[str]:
         return check_tags(tags, ROLLOUT_TAGS)
+
+
+__all__ = ["ROLLOUT_TAGS", "Rollout", "RolloutArgs", "RolloutEngine", "RolloutError", "SamplingParams"]

@@ -3,21 +3,42 @@
 Log-probabilities are aligned with the tokens: `logprobs[:, t]` is
 log p(input_ids[:, t] | input_ids[:, :t]), and position 0 holds 0. A
 `loss_mask` of 1 marks the tokens a loss is taken over (the responses).
+
+Construction (gearshift.options): every trainer is built by
+`Engine.build(model, **options)` from the common `TrainArgs` below plus its own
+`Options` dataclass, and sets `device` and `mesh`. Process groups: under
+torchrun, `build` joins the group (`gearshift.dist.init`) before the engine
+exists; an engine uses the default group and never destroys it. In a plain
+single process, an engine that needs a group makes one of size 1.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from typing import Callable, ClassVar, Iterator, Sequence
 
 import torch
 
 from .mesh import MeshSpec
+from .options import Buildable, EngineArgs, option
 from .reshard import DEFAULT_BUCKET_BYTES, plan_reshard, stream_plan
+from .tags import TRAIN_TAGS, check_tags
 from .weights import WeightBucket, WeightSpec
 
-TRAIN_TAGS = ("params", "grads", "optimizer")
+
+@dataclass(frozen=True)
+class TrainArgs(EngineArgs):
+    """What every train engine is built from (besides its own `Options`)."""
+
+    lr: float = option(1e-5, "AdamW learning rate")
+    weight_decay: float = option(0.0, "AdamW weight decay")
+    max_grad_norm: float | None = option(1.0, "clip the global gradient norm to this (None: no clipping)")
+    micro_batch_size: int | None = option(None, "sequences per forward/backward (None: the whole batch at once)")
+    value_head: bool = option(False, "a critic: a linear value head on the decoder; forward_logprobs returns values")
+    dropout: bool = option(False, "train with the model's dropout; off by default, since an on-policy update "
+                                  "with dropout is off-policy")
 
 
 @dataclass
@@ -87,6 +108,14 @@ class PolicyOutput:
 LossFn = Callable[[PolicyOutput, TrainBatch], "tuple[torch.Tensor, dict[str, float]]"]
 
 
+def nll_loss(out: PolicyOutput, batch: TrainBatch) -> tuple[torch.Tensor, dict[str, float]]:
+    """Negative log-likelihood of the masked tokens (supervised fine-tuning); reports their mean entropy."""
+    mask = batch.loss_mask
+    loss = -(out.logprobs * mask).sum() / mask.sum().clamp(min=1)
+    ent = float((out.entropy.detach() * mask).sum() / mask.sum().clamp(min=1)) if out.entropy is not None else 0.0
+    return loss, {"entropy": ent}
+
+
 def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor, with_entropy: bool = False) -> PolicyOutput:
     """Log-probabilities of `input_ids` under next-token `logits` [B, T, V], aligned with the tokens."""
     logits = logits[:, :-1].float()
@@ -100,42 +129,68 @@ def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor, with_entropy: 
     return out
 
 
-class TrainEngine(ABC):
-    """A trainer of one causal LM over a mesh of ranks; names of weights are Hugging Face names."""
+class TrainEngine(Buildable, ABC):
+    """A trainer of one causal LM over a mesh of ranks; names of weights are Hugging Face names.
 
-    #: distributions the engine needs ("a|b" accepts either), and how to install them
-    requires: ClassVar[tuple[str, ...]] = ()
-    install: ClassVar[str] = ""
+    Subclass it (or `gearshift.module_train.ModuleTrainEngine`, which does most of the work
+    for a trainer built on a torch module), declare `Options`, implement
+    `__init__(self, args, options)` (call `super().__init__(args, options)`, set `device`) and
+    the abstract methods below.
+    """
 
+    Args: ClassVar[type] = TrainArgs
+    #: the engine's tensors stay whole and valid between exports, so a rollout engine may serve from
+    #: them (False for an engine that gathers its weights only while exporting, as ZeRO-3 does)
+    can_lend_weights: ClassVar[bool] = True
+
+    args: TrainArgs
     device: torch.device
     mesh: MeshSpec
 
     @abstractmethod
     def weight_spec(self) -> WeightSpec:
-        """Every trainable weight: full shape, dtype, and placement on the train mesh."""
+        """Every trainable weight: full shape, dtype, and placement on the train mesh; a tied head as an alias."""
 
     @abstractmethod
     def local_weights(self, names: list[str]) -> dict[str, torch.Tensor]:
         """This rank's shards of `names` in the train layout, without communication (views are fine)."""
+
+    def materialized(self, names: list[str]) -> AbstractContextManager:
+        """Entered around each bucket of an export, before `local_weights(names)`, until the bucket is consumed.
+
+        An engine whose weights are not addressable shard by shard (ZeRO-3's flat
+        partitions) gathers `names` here and lets go on exit, so an export holds one bucket
+        at a time. Every rank enters it for every bucket in the same order (it may be a
+        collective). Default: nothing to do.
+        """
+        return nullcontext()
 
     def export_weights(self, spec: WeightSpec | None = None,
                        bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> Iterator[WeightBucket]:
         """The weights in the layout `spec` asks for (default: whole on every rank), bucket by bucket."""
         mine = self.weight_spec()
         target = spec if spec is not None else mine.replicated()
-        yield from stream_plan(plan_reshard(mine, target, bucket_bytes), self.local_weights)
+        yield from stream_plan(plan_reshard(mine, target, bucket_bytes), self.local_weights,
+                               materialized=self.materialized)
 
     @abstractmethod
     def forward_logprobs(self, batch: TrainBatch, with_entropy: bool = False) -> PolicyOutput:
-        """Log-probabilities of the batch's tokens, without building a graph."""
+        """Log-probabilities of the batch's tokens (values, for a `value_head` engine), without a graph."""
 
     @abstractmethod
     def train_step(self, batch: TrainBatch, loss_fn: LossFn) -> dict[str, float]:
-        """One optimizer step over the batch (micro-batched as configured); returns metrics."""
+        """One optimizer step over the batch, micro-batched as configured.
+
+        Returns at least `loss` (the loss over the whole batch: micro-batch losses weighted
+        by their share of the sequences), `grad_norm` (the global norm before clipping, over
+        every shard) and `lr`, plus the metrics `loss_fn` returns, likewise weighted. Metrics
+        are averaged over the ranks: every rank returns the same dict.
+        """
 
     @abstractmethod
     def offload(self, tags: Sequence[str] = TRAIN_TAGS) -> int:
-        """Move the tagged state (params, grads, optimizer) to host memory; returns bytes moved."""
+        """Move the tagged state (params, grads, optimizer) to host memory; returns bytes moved (0 when the
+        state lives in host memory already, as on a CPU)."""
 
     @abstractmethod
     def onload(self, tags: Sequence[str] = TRAIN_TAGS) -> int:
@@ -143,7 +198,7 @@ class TrainEngine(ABC):
 
     @abstractmethod
     def save(self, path: str) -> None:
-        """Write a resumable checkpoint (model and optimizer) under the folder `path`."""
+        """Write a resumable checkpoint (model and optimizer) under the folder `path`; every rank calls it."""
 
     @abstractmethod
     def load(self, path: str) -> None:
@@ -151,15 +206,11 @@ class TrainEngine(ABC):
 
     @abstractmethod
     def save_hf(self, path: str) -> None:
-        """Write a Hugging Face folder that `AutoModelForCausalLM.from_pretrained` loads."""
+        """Write a Hugging Face folder that `AutoModelForCausalLM.from_pretrained` loads; every rank calls it."""
 
     def close(self) -> None:
         """Release the engine's resources."""
 
 
-def check_tags(tags: Sequence[str], allowed: Sequence[str]) -> list[str]:
-    tags = [tags] if isinstance(tags, str) else list(tags)
-    unknown = [t for t in tags if t not in allowed]
-    if unknown:
-        raise ValueError(f"unknown tags {unknown}; use any of {list(allowed)}")
-    return tags
+__all__ = ["LossFn", "PolicyOutput", "TRAIN_TAGS", "TrainArgs", "TrainBatch", "TrainEngine", "check_tags",
+           "nll_loss", "token_logprobs"]

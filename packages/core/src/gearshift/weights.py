@@ -1,8 +1,17 @@
 """What crosses a switch: named weights, where they live, and the buckets they travel in.
 
-Names are Hugging Face state-dict names (`model.layers.0.self_attn.q_proj.weight`)
-on both sides: an engine that stores weights differently (fused QKV, packed
-layouts) maps them on load, as vLLM's and SGLang's `load_weights` do.
+Names are Hugging Face parameter names (`model.layers.0.self_attn.q_proj.weight`)
+on both sides, as `AutoModelForCausalLM.named_parameters()` lists them: an
+engine that stores weights differently (fused QKV, packed layouts) maps them on
+load, as vLLM's and SGLang's `load_weights` do.
+
+Tied weights: in a model whose output head shares the input embedding, the
+spec lists the shared tensor once, under the name `named_parameters()` gives it
+(`model.embed_tokens.weight` for most models), and records the other name
+(`lm_head.weight`) in `aliases`. Either name is accepted wherever a weight is
+named: `WeightSpec.check` maps an alias to the listed name, and the planner
+matches a weight listed under one name on one side and the other name on the
+other side.
 """
 
 from __future__ import annotations
@@ -42,6 +51,8 @@ class WeightSpec:
 
     mesh: MeshSpec
     params: tuple[ParamSpec, ...]
+    #: other names of listed weights (a tied head): alias -> the listed name
+    aliases: Mapping[str, str] = field(default_factory=dict, hash=False)
 
     @classmethod
     def from_tensors(
@@ -50,6 +61,7 @@ class WeightSpec:
         mesh: MeshSpec | None = None,
         shards: Mapping[str, Mapping[str, int]] | None = None,
         dtype: torch.dtype | None = None,
+        aliases: Mapping[str, str] | None = None,
     ) -> "WeightSpec":
         """Spec for full tensors; `shards[name]` = {axis: dim} for sharded ones."""
         mesh = mesh or MeshSpec()
@@ -60,6 +72,7 @@ class WeightSpec:
                 ParamSpec(n, tuple(t.shape), dtype or t.dtype, Placement.of(mesh, shards.get(n)))
                 for n, t in tensors.items()
             ),
+            dict(aliases or {}),
         )
 
     def __iter__(self) -> Iterator[ParamSpec]:
@@ -73,6 +86,21 @@ class WeightSpec:
 
     def by_name(self) -> dict[str, ParamSpec]:
         return {p.name: p for p in self.params}
+
+    def canonical(self, name: str) -> str:
+        """The listed name of weight `name` (itself, or the weight an alias stands for)."""
+        return self.aliases.get(name, name)
+
+    def find(self, name: str, aliases: Mapping[str, str] | None = None) -> ParamSpec | None:
+        """The listed weight called `name` here, or through this spec's or `aliases`' other names."""
+        known = self.by_name()
+        for candidate in (name, self.aliases.get(name), (aliases or {}).get(name)):
+            if candidate is not None and candidate in known:
+                return known[candidate]
+        for alias, target in (aliases or {}).items():  # `name` is listed elsewhere; here under its alias
+            if target == name and self.canonical(alias) in known:
+                return known[self.canonical(alias)]
+        return None
 
     @property
     def nbytes(self) -> int:
@@ -88,10 +116,17 @@ class WeightSpec:
             return self
         return replace(self, params=tuple(replace(p, dtype=dtype) for p in self.params))
 
-    def check(self, tensors: Mapping[str, torch.Tensor], rank: int = 0) -> None:
-        """Raise `WeightError` unless every tensor is a known weight with this rank's local shape."""
+    def check(self, tensors: Mapping[str, torch.Tensor], rank: int = 0) -> dict[str, torch.Tensor]:
+        """The tensors under their listed names; `WeightError` unless each is a known weight of this
+        rank's local shape (a tied weight sent under both names must be one tensor)."""
         known = self.by_name()
-        for name, tensor in tensors.items():
+        out: dict[str, torch.Tensor] = {}
+        for sent, tensor in tensors.items():
+            name = self.canonical(sent)
+            if name in out and out[name] is not tensor and not torch.equal(out[name], tensor):
+                others = sorted(a for a, t in self.aliases.items() if t == name)
+                raise WeightError(f"{name!r} and its tied name {others} were both sent with different values: "
+                                  f"they are one weight in this model; send it once")
             spec = known.get(name)
             if spec is None:
                 close = [k for k in known if k.rsplit(".", 1)[-1] == name.rsplit(".", 1)[-1]][:3]
@@ -103,6 +138,8 @@ class WeightSpec:
                     f"weight {name!r} has shape {tuple(tensor.shape)}, expected {want} "
                     f"(full {spec.shape}, placement {spec.placement})"
                 )
+            out[name] = tensor
+        return out
 
 
 @dataclass

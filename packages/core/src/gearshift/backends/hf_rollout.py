@@ -6,15 +6,16 @@ wherever transformers does.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Iterable, Sequence
 
 import torch
 
 from .. import dist as gdist
-from ..mesh import MeshSpec
-from ..rollout import Rollout, RolloutEngine, RolloutError, SamplingParams
+from ..hf import load_causal_lm, tied_aliases
+from ..options import option
+from ..rollout import Rollout, RolloutArgs, RolloutEngine, RolloutError, SamplingParams
 from ..weights import WeightBucket, WeightError, WeightSpec
-from .torch_train import parse_dtype
 
 
 class HFRolloutEngine(RolloutEngine):
@@ -23,30 +24,26 @@ class HFRolloutEngine(RolloutEngine):
     can_share_weights = True
     casts_on_load = True  # `copy_` casts: a float32 trainer's tensors need no bf16 copy on the way
 
-    def __init__(
-        self,
-        model: str,
-        *,
-        mesh: MeshSpec | None = None,
-        dtype: str = "float32",
-        device: str | None = None,
-        max_model_len: int | None = None,
-        max_batch_size: int = 64,
-    ) -> None:
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+    @dataclass(frozen=True)
+    class Options:
+        device: str | None = option(None, "device to generate on (None: this rank's GPU if there is one, else the CPU)")
+        max_batch_size: int = option(64, "prompts generated together in one call of transformers' generate")
 
-        self.mesh = (mesh or MeshSpec(dp=gdist.world_size())).validate(gdist.world_size())
+    def __init__(self, args: RolloutArgs, options: "HFRolloutEngine.Options | None" = None) -> None:
+        from transformers import AutoTokenizer
+
+        super().__init__(args, options)
         if self.mesh.dp != self.mesh.world_size:
             raise ValueError(f"the hf rollout backend runs a full replica per rank: use mesh dp={self.mesh.world_size}")
-        self.device = torch.device(device) if device else gdist.default_device()
-        self.model = AutoModelForCausalLM.from_pretrained(str(model), dtype=parse_dtype(dtype)).to(self.device).eval()
-        self.tokenizer = AutoTokenizer.from_pretrained(str(model))
-        self.max_model_len = int(max_model_len or self.model.config.max_position_embeddings)
-        self.max_batch_size = max_batch_size
+        self.device = torch.device(self.options.device) if self.options.device else gdist.default_device()
+        self.model = load_causal_lm(args.model, args.torch_dtype).to(self.device).eval()
+        self.tokenizer = AutoTokenizer.from_pretrained(args.model)
+        self.max_model_len = int(args.max_model_len or self.model.config.max_position_embeddings)
+        self.max_batch_size = self.options.max_batch_size
         self._params = dict(self.model.named_parameters())
         for p in self._params.values():
             p.requires_grad_(False)
-        self._spec = WeightSpec.from_tensors(self._params, self.mesh)
+        self._spec = WeightSpec.from_tensors(self._params, self.mesh, aliases=tied_aliases(self.model))
         self._asleep: set[str] = set()
         self._borrowed: set[str] = set()  # weights whose storage is the caller's (share_weights)
         self._pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
@@ -54,8 +51,9 @@ class HFRolloutEngine(RolloutEngine):
     # --- generation -----------------------------------------------------------------------
     def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams) -> list[Rollout]:
         self.check_prompts(prompts, sampling, self.model.config.vocab_size)
-        if "weights" in self._asleep:
-            raise RolloutError("the engine's weights are asleep: call wake(['weights']) and update them first")
+        if self._asleep:
+            raise RolloutError(f"the engine's {sorted(self._asleep)} are asleep: call wake() first (and update "
+                               f"the weights, which sleep discards)")
         out: list[Rollout] = []
         for start in range(0, len(prompts), self.max_batch_size):
             chunk = [list(map(int, p)) for p in prompts[start:start + self.max_batch_size]]
@@ -124,35 +122,37 @@ class HFRolloutEngine(RolloutEngine):
     def update_weights(self, buckets: Iterable[WeightBucket]) -> int:
         if "weights" in self._asleep:
             raise RolloutError("the engine's weights are asleep: call wake(['weights']) before updating them")
-        loaded = 0
+        handed, applied = 0, 0
         for bucket in buckets:
-            self._spec.check(bucket.tensors, gdist.rank())
-            for name, tensor in bucket.items():
-                if not tensor.is_floating_point():
-                    raise WeightError(f"weight {name!r} has dtype {tensor.dtype}: floating-point tensors only")
+            try:
+                tensors = self._spec.check(bucket.tensors, gdist.rank())
+                for name, tensor in tensors.items():
+                    if not tensor.is_floating_point():
+                        raise WeightError(f"weight {name!r} has dtype {tensor.dtype}: floating-point tensors only")
+            except WeightError as err:
+                raise WeightError(f"{err} ({applied} weights from the buckets before it were applied)") from err
             if self._borrowed:  # writing in place would write into the lender's tensors
                 for name in self._borrowed:
                     self._params[name].data = self._params[name].data.clone()
                 self._borrowed.clear()
-            for name, tensor in bucket.items():
-                p = self._params[name]
-                p.copy_(tensor)
-                loaded += p.numel() * p.element_size()
-        self.reset_cache()
-        return loaded
+            for name, tensor in tensors.items():
+                self._params[name].copy_(tensor)
+            handed += bucket.nbytes
+            applied += len(tensors)
+        return handed
 
     @torch.no_grad()
     def share_weights(self, buckets: Iterable[WeightBucket]) -> int:
         borrowed = 0
         for bucket in buckets:
-            self._spec.check(bucket.tensors, gdist.rank())
-            for name, tensor in bucket.items():
+            tensors = self._spec.check(bucket.tensors, gdist.rank())
+            for name, tensor in tensors.items():
                 p = self._params[name]
                 if tensor.dtype != p.dtype or tensor.device != p.device:
                     raise WeightError(
                         f"weight {name!r} is {tensor.dtype} on {tensor.device}; the engine serves "
                         f"{p.dtype} on {p.device}: only tensors it can use as they are can be shared")
-            for name, tensor in bucket.items():
+            for name, tensor in tensors.items():
                 self._params[name].data = tensor.detach()
                 self._borrowed.add(name)
                 borrowed += tensor.numel() * tensor.element_size()
@@ -178,7 +178,7 @@ class HFRolloutEngine(RolloutEngine):
             self._asleep.discard(tag)
 
     def reset_cache(self) -> None:
-        """`generate` builds a fresh KV cache per call: there is no prefix cache to drop."""
+        """`generate` builds a fresh KV cache per call: there is no prefix cache to drop (nor one to go stale)."""
 
     def resident_bytes(self) -> dict[str, int]:
         """Weights borrowed through `share_weights` are the lender's memory and do not count."""

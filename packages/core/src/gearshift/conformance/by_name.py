@@ -50,7 +50,7 @@ def named_train_factory(request, gearshift_model):
 
 
 class TestRollout(RolloutEngineSuite):
-    backend_kinds = ("rollout",)
+    backends_from_options = True
 
     @pytest.fixture
     def rollout_engine(self, named_rollout_engine):
@@ -58,7 +58,7 @@ class TestRollout(RolloutEngineSuite):
 
 
 class TestTrain(TrainEngineSuite):
-    backend_kinds = ("train",)
+    backends_from_options = True
 
     @pytest.fixture
     def train_engine_factory(self, named_train_factory):
@@ -66,7 +66,7 @@ class TestTrain(TrainEngineSuite):
 
 
 class TestPair(PairSuite):
-    backend_kinds = ("train", "rollout")
+    backends_from_options = True
 
     @pytest.fixture(scope="class")
     def train_engine(self, named_train_factory):

@@ -5,10 +5,8 @@ from __future__ import annotations
 import argparse
 import json
 
-from ..cli import command
 
-
-def _args(p: argparse.ArgumentParser) -> None:
+def add_conformance_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--train", help="train backend to check (its contracts, and the pair's with --rollout)")
     p.add_argument("--rollout", help="rollout backend to check")
     p.add_argument("--model", default="tiny", help="model folder or preset (default tiny; fp32)")
@@ -19,8 +17,7 @@ def _args(p: argparse.ArgumentParser) -> None:
     p.add_argument("pytest_args", nargs=argparse.REMAINDER, help="after '--': arguments for pytest (e.g. -x -k sync)")
 
 
-@command("conformance", "run the conformance suite on installed backends; exits non-zero on failure", _args)
-def conformance(args: argparse.Namespace) -> int:
+def conformance_command(args: argparse.Namespace) -> int:
     import pytest
 
     if not args.train and not args.rollout:

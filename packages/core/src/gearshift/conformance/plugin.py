@@ -4,7 +4,10 @@
   (`--gearshift-model PATH|PRESET` picks another).
 - `gearshift_shared_tmp`: a temporary folder that every rank of a torchrun job sees.
 - markers `gpu` (skipped without CUDA) and `slow` (skipped unless `--runslow`).
-- `expected_failures = {test name: reason}` on a suite class marks those tests xfail (strict).
+- expected failures, one way: a backend class declares `conformance_xfail =
+  {"rollout"|"train"|"pair": {test name: reason}}`; a suite class names the
+  backends it checks (`rollout_backend`, `train_backend`, or by name on the
+  command line) and their entries are marked xfail (strict) there.
 """
 
 from __future__ import annotations
@@ -41,9 +44,7 @@ def pytest_collection_modifyitems(config, items):
 
     has_gpu = torch.cuda.is_available()
     for item in items:
-        cls = getattr(item, "cls", None)
-        reasons = dict(getattr(cls, "expected_failures", None) or {})
-        reasons.update(_backend_xfails(config, cls))
+        reasons = expected_failures(config, getattr(item, "cls", None))
         name = getattr(item, "originalname", item.name)
         if name in reasons:
             item.add_marker(pytest.mark.xfail(reason=reasons[name], strict=True))
@@ -53,21 +54,30 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.skip(reason="slow: run with --runslow"))
 
 
-def _backend_xfails(config, cls) -> dict[str, str]:
-    """Expected failures a backend class declares (`conformance_xfail = {suite: {test: reason}}`)."""
+def expected_failures(config, cls) -> dict[str, str]:
+    """{test: reason} that the backends a suite class checks declare for that suite."""
     from .. import registry
+    from .pair import PairSuite
+    from .rollout import RolloutEngineSuite
+    from .train import TrainEngineSuite
 
+    if cls is None:
+        return {}
+    suite = next((kind for kind, base in (("pair", PairSuite), ("rollout", RolloutEngineSuite),
+                                          ("train", TrainEngineSuite)) if issubclass(cls, base)), None)
+    if suite is None:
+        return {}
     out: dict[str, str] = {}
-    for kind in getattr(cls, "backend_kinds", ()):
-        name = config.getoption(f"--gearshift-{kind}")
-        if not name:
-            continue
-        try:
-            backend = registry.load(kind, name)
-        except registry.BackendError:
-            continue  # the fixture reports it when the test runs
-        suite = "pair" if len(cls.backend_kinds) > 1 else kind
-        out.update(getattr(backend, "conformance_xfail", {}).get(suite, {}))
+    for kind in ("train", "rollout"):
+        backend = getattr(cls, f"{kind}_backend", None)
+        if backend is None and getattr(cls, "backends_from_options", False):
+            name = config.getoption(f"--gearshift-{kind}")
+            try:
+                backend = registry.load(kind, name) if name else None
+            except registry.BackendError:
+                backend = None  # the fixture reports it when the test runs
+        if backend is not None:
+            out.update(getattr(backend, "conformance_xfail", {}).get(suite, {}))
     return out
 
 
@@ -98,19 +108,15 @@ def gearshift_shared_tmp(gearshift_shared_tmp_root, request):
 
 @pytest.fixture(scope="session")
 def gearshift_model(request, gearshift_shared_tmp_root):
-    """A tiny model folder (fp32, random weights, byte-level tokenizer), built once on rank 0."""
+    """A tiny model folder (fp32, random weights, byte-level tokenizer), built once on rank 0.
+
+    `--gearshift-model` picks a folder or another preset ('tiny-gpt2', 'small', ...).
+    """
     from .. import dist as gdist
-    from ..tiny import PRESETS, build_model, resolve_model
+    from ..models import resolve_model
 
     choice = request.config.getoption("--gearshift-model")
     if os.path.isdir(choice):
         return choice
-    preset, _, arch = choice.partition("-llama")
-    path = gearshift_shared_tmp_root / f"model-{choice}"
-    if gdist.rank() == 0:
-        if preset in PRESETS:
-            build_model(path, preset=preset, arch="llama" if _ else "qwen2")
-        else:
-            resolve_model(choice)  # raises a clear error naming the presets
-    gdist.barrier()
-    return str(path)
+    path = resolve_model(choice, cache_dir=gearshift_shared_tmp_root) if gdist.rank() == 0 else None
+    return gdist.broadcast_object(path)

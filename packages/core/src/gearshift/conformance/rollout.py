@@ -2,16 +2,22 @@
 
 Fixtures to supply: `rollout_engine` (built from `gearshift_model`, fp32; any
 scope: every test leaves it serving the model's own weights, awake) and, when
-the engine was built from another folder, `gearshift_model`.
+the engine was built from another folder, `gearshift_model`. Set
+`rollout_backend` to the engine's class: its `conformance_xfail["rollout"]`
+marks the tests it is known to fail where it runs.
 """
 
 from __future__ import annotations
 
 import pytest
+import torch
 
 from ..rollout import RolloutError, SamplingParams
-from ..weights import WeightError
-from .util import PROMPTS, as_buckets, max_logprob_diff, perturbed, reference_weights, same_outputs
+from ..weights import WeightBucket, WeightError
+from .util import (
+    PROMPTS, as_buckets, long_prompts, max_logprob_diff, perturbed, reference_logprob_diff, reference_weights,
+    same_outputs,
+)
 
 GREEDY = SamplingParams(n=1, temperature=0.0, max_tokens=8)
 
@@ -19,7 +25,9 @@ GREEDY = SamplingParams(n=1, temperature=0.0, max_tokens=8)
 class RolloutEngineSuite:
     """Subclass in a test module and supply `rollout_engine`."""
 
-    expected_failures: dict[str, str] = {}
+    rollout_backend: type | None = None
+    #: max |engine logprob - transformers' fp32 logprob| of a sampled token (--gearshift-atol widens it)
+    logprob_atol: float = 1e-4
 
     @pytest.fixture
     def original(self, rollout_engine, gearshift_model):
@@ -58,6 +66,18 @@ class RolloutEngineSuite:
         assert out[0].token_ids == [first]
         assert out[0].finish_reason == "stop"
 
+    def test_logprobs_are_those_of_temperature_one_at_any_temperature(self, rollout_engine, gearshift_model):
+        out = rollout_engine.generate(PROMPTS, SamplingParams(n=2, temperature=0.7, max_tokens=8, seed=5))
+        diff = reference_logprob_diff(gearshift_model, out)
+        print(f"logprobs sampled at temperature 0.7 vs transformers at temperature 1: max abs diff {diff:.3g}")
+        assert diff <= self.logprob_atol, "logprobs must be the model's own (temperature 1), not the sampler's"
+
+    def test_logprobs_ignore_top_k_and_top_p(self, rollout_engine, gearshift_model):
+        out = rollout_engine.generate(PROMPTS, SamplingParams(n=2, temperature=1.0, top_k=20, top_p=0.8,
+                                                              max_tokens=8, seed=6))
+        assert reference_logprob_diff(gearshift_model, out) <= self.logprob_atol, \
+            "logprobs must be those of the whole distribution, before top-k / top-p truncation"
+
     def test_update_weights_takes_effect_and_restores_exactly(self, rollout_engine, baseline, original):
         rollout_engine.update_weights(as_buckets(perturbed(original), rollout_engine.device))
         try:
@@ -68,6 +88,97 @@ class RolloutEngineSuite:
         restored = rollout_engine.generate(PROMPTS, GREEDY)
         assert same_outputs(baseline, restored)
         assert max_logprob_diff(baseline, restored) == 0.0
+
+    def test_update_weights_returns_the_bytes_handed_in(self, rollout_engine, original):
+        buckets = as_buckets(original, rollout_engine.device)
+        assert rollout_engine.update_weights(buckets) == sum(b.nbytes for b in buckets)
+
+    def test_update_weights_drops_the_prefix_cache(self, rollout_engine, original, gearshift_model):
+        prompts = long_prompts(rollout_engine.max_model_len)
+        greedy = SamplingParams(temperature=0.0, max_tokens=4)
+        rollout_engine.generate(prompts, greedy)  # fills any prefix cache
+        rollout_engine.generate(prompts, greedy)  # and is served from it
+        changed = perturbed(original)
+        rollout_engine.update_weights(as_buckets(changed, rollout_engine.device))  # no sleep in between
+        try:
+            diff = reference_logprob_diff(gearshift_model, rollout_engine.generate(prompts, greedy), changed)
+        finally:
+            self._restore(rollout_engine, original)
+        assert diff <= self.logprob_atol, f"served keys and values computed with the old weights (diff {diff:.3g})"
+
+    def test_reset_cache_drops_the_prefix_cache(self, rollout_engine, original, gearshift_model):
+        if not rollout_engine.can_share_weights:
+            pytest.skip("only an engine that serves lent tensors can see its weights change without an update")
+        prompts = long_prompts(rollout_engine.max_model_len)
+        greedy = SamplingParams(temperature=0.0, max_tokens=4)
+        lent = {k: v.clone().to(rollout_engine.device) for k, v in original.items()}
+        rollout_engine.share_weights([WeightBucket(lent)])
+        try:
+            rollout_engine.generate(prompts, greedy)
+            rollout_engine.generate(prompts, greedy)
+            changed = perturbed(original)
+            with torch.no_grad():
+                for k, t in lent.items():
+                    t.copy_(changed[k])
+            rollout_engine.reset_cache()
+            diff = reference_logprob_diff(gearshift_model, rollout_engine.generate(prompts, greedy), changed)
+        finally:
+            self._restore(rollout_engine, original)
+        assert diff <= self.logprob_atol, f"reset_cache kept keys and values of the old weights (diff {diff:.3g})"
+
+    def test_buckets_before_a_bad_one_stay_applied(self, rollout_engine, original, gearshift_model):
+        names = list(original)
+        first = [n for n in names if ".0." in n] or names[: len(names) // 2]  # a whole layer
+        later = next(n for n in names if n not in first)
+        changed = perturbed({n: original[n] for n in first + [later]})
+        device = rollout_engine.device
+        stream = iter([WeightBucket({n: changed[n].to(device) for n in first}, 0),
+                       WeightBucket({later: changed[later].to(device),
+                                     "model.no_such_layer.weight": original[later].to(device)}, 1)])
+        with pytest.raises(WeightError, match="unknown weight") as caught:
+            rollout_engine.update_weights(stream)
+        assert "applied" in str(caught.value), "the error must say how many weights were applied before it"
+        try:
+            out = rollout_engine.generate(PROMPTS, GREEDY)
+            diff = reference_logprob_diff(gearshift_model, out, {**original, **{n: changed[n] for n in first}})
+        finally:
+            self._restore(rollout_engine, original)
+        assert diff <= self.logprob_atol, "the first bucket must stay applied and none of the bad one land"
+
+    def test_a_tied_head_is_taken_under_either_name(self, rollout_engine, original, baseline):
+        spec = rollout_engine.weight_spec()
+        if not spec.aliases:
+            pytest.skip("the model has no tied weights")
+        alias, name = next(iter(spec.aliases.items()))
+        changed = perturbed({name: original[name]})
+        rollout_engine.update_weights([WeightBucket({alias: changed[name].to(rollout_engine.device)})])
+        try:
+            renamed = rollout_engine.generate(PROMPTS, GREEDY)
+            rollout_engine.update_weights([WeightBucket({name: changed[name].to(rollout_engine.device)})])
+            direct = rollout_engine.generate(PROMPTS, GREEDY)
+        finally:
+            self._restore(rollout_engine, original)
+        assert same_outputs(renamed, direct) and max_logprob_diff(renamed, direct) == 0.0
+        assert not same_outputs(baseline, direct) or max_logprob_diff(baseline, direct) > 1e-3
+
+    def test_generate_while_asleep_is_a_clear_error(self, rollout_engine, baseline):
+        rollout_engine.sleep(["kv_cache"])
+        try:
+            with pytest.raises(RolloutError, match="asleep"):
+                rollout_engine.generate(PROMPTS, GREEDY)
+        finally:
+            rollout_engine.wake(["kv_cache"])
+        assert same_outputs(baseline, rollout_engine.generate(PROMPTS, GREEDY))
+
+    def test_update_while_the_weights_sleep_is_a_clear_error(self, rollout_engine, original, baseline):
+        rollout_engine.sleep(["kv_cache", "weights"])
+        try:
+            with pytest.raises(RolloutError, match="asleep"):
+                rollout_engine.update_weights(as_buckets(original, rollout_engine.device))
+        finally:
+            rollout_engine.wake(["weights", "kv_cache"])
+            self._restore(rollout_engine, original)
+        assert same_outputs(baseline, rollout_engine.generate(PROMPTS, GREEDY))
 
     def test_sleep_wake_round_trip(self, rollout_engine, baseline, original):
         rollout_engine.sleep(["kv_cache"])

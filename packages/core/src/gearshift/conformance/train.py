@@ -3,6 +3,8 @@
 Fixture to supply: `train_engine_factory`, a callable `(**options) -> TrainEngine`
 building a fresh fp32 engine from `gearshift_model` (tests change weights, so
 each builds its own). Under torchrun every rank runs the same tests in step.
+Set `train_backend` to the engine's class: its `conformance_xfail["train"]`
+marks the tests it is known to fail where it runs.
 """
 
 from __future__ import annotations
@@ -10,7 +12,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ..train import PolicyOutput, TrainBatch
+from .. import dist as gdist
+from ..train import PolicyOutput, TrainBatch, nll_loss
 from .util import PROMPTS, reference_weights
 
 RESPONSES = [[10, 20, 30, 40, 50], [60, 70, 80], [90, 100, 110, 120]]
@@ -20,11 +23,7 @@ def fixed_batch() -> TrainBatch:
     return TrainBatch.from_sequences(PROMPTS, RESPONSES, pad_id=0)
 
 
-def nll(out: PolicyOutput, batch: TrainBatch):
-    mask = batch.loss_mask
-    loss = -(out.logprobs * mask).sum() / mask.sum().clamp(min=1)
-    ent = float((out.entropy.detach() * mask).sum() / mask.sum()) if out.entropy is not None else 0.0
-    return loss, {"entropy": ent}
+nll = nll_loss  # the loss the suite trains with
 
 
 def full_weights(engine) -> dict[str, torch.Tensor]:
@@ -46,7 +45,7 @@ def assert_same(a: dict, b: dict, exact: bool = True) -> None:
 class TrainEngineSuite:
     """Subclass in a test module and supply `train_engine_factory`."""
 
-    expected_failures: dict[str, str] = {}
+    train_backend: type | None = None
     logprob_atol: float = 1e-5
     lr: float = 1e-2
 
@@ -75,6 +74,21 @@ class TrainEngineSuite:
         assert all(l == l for l in losses), losses  # no NaN
         # the best loss after stepping, not the last: a large model at the suite's lr may overshoot once
         assert min(losses[1:]) < losses[0] - 0.1, losses
+
+    def test_train_step_returns_loss_grad_norm_and_lr_the_same_on_every_rank(self, train_engine_factory):
+        engine = train_engine_factory(lr=self.lr, micro_batch_size=2)
+        metrics = engine.train_step(fixed_batch(), nll)
+        for key in ("loss", "grad_norm", "lr", "entropy"):  # entropy: the loss function's own metric
+            assert isinstance(metrics.get(key), float), f"train_step must return a float {key!r}: {metrics}"
+        assert metrics["lr"] == pytest.approx(self.lr) and metrics["grad_norm"] > 0
+        whole = train_engine_factory(lr=self.lr).train_step(fixed_batch(), nll)
+        assert metrics["loss"] == pytest.approx(whole["loss"], rel=1e-5), "micro-batching changed the loss"
+        if gdist.is_distributed():
+            import torch.distributed as dist
+
+            everyone = [None] * gdist.world_size()
+            dist.all_gather_object(everyone, metrics)
+            assert all(m == metrics for m in everyone), f"ranks returned different metrics: {everyone}"
 
     def test_exported_weights_equal_the_model(self, train_engine_factory, gearshift_model):
         engine = train_engine_factory(lr=self.lr)

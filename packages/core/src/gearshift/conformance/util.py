@@ -1,7 +1,8 @@
-"""Helpers the conformance classes share."""
+"""Helpers the conformance classes share: reference weights and log-probabilities from the model folder."""
 
 from __future__ import annotations
 
+from functools import lru_cache
 from pathlib import Path
 
 import torch
@@ -13,21 +14,66 @@ from ..weights import WeightBucket, WeightSpec
 PROMPTS = [[72, 101, 108, 108, 111], [49, 43, 50, 61], [84, 104, 101, 32, 113, 117, 105, 99, 107]]
 
 
-def reference_weights(model_path: str, spec: WeightSpec, rank: int | None = None) -> dict[str, torch.Tensor]:
-    """The weights saved in `model_path`, cut to this rank's part of `spec`, in its dtypes."""
+def saved_weights(model_path: str) -> dict[str, torch.Tensor]:
+    """Every tensor in the folder's safetensors files, as saved."""
     from safetensors.torch import load_file
 
-    rank = gdist.rank() if rank is None else rank
     state: dict[str, torch.Tensor] = {}
     for f in sorted(Path(model_path).glob("*.safetensors")):
         state.update(load_file(str(f)))
-    if "lm_head.weight" not in state and "model.embed_tokens.weight" in state:
-        state["lm_head.weight"] = state["model.embed_tokens.weight"]
+    return state
+
+
+def reference_weights(model_path: str, spec: WeightSpec, rank: int | None = None) -> dict[str, torch.Tensor]:
+    """The weights saved in `model_path`, cut to this rank's part of `spec`, in its dtypes.
+
+    A weight the file holds under another name of a tied pair (`spec.aliases`) is found under it.
+    """
+    rank = gdist.rank() if rank is None else rank
+    state = saved_weights(model_path)
+    others = {}
+    for alias, name in spec.aliases.items():
+        others.setdefault(name, []).append(alias)
     out = {}
     for p in spec:
+        key = next((k for k in [p.name, *others.get(p.name, [])] if k in state), None)
+        if key is None:  # a tied head the file stores once, under the embedding's name
+            key = next(k for k in state if k.endswith("embed_tokens.weight") or k.endswith("wte.weight"))
         box = p.placement.local_box(p.shape, rank)
-        out[p.name] = state[p.name][box_slices(box)].to(p.dtype).contiguous()
+        out[p.name] = state[key][box_slices(box)].to(p.dtype).contiguous()
     return out
+
+
+@lru_cache(maxsize=2)
+def _reference_model(model_path: str):
+    from ..hf import load_causal_lm
+
+    model = load_causal_lm(model_path, torch.float32).eval()
+    return model, {k: v.detach().clone() for k, v in model.named_parameters()}
+
+
+@torch.no_grad()
+def reference_logprob_diff(model_path: str, rollouts, weights: dict[str, torch.Tensor] | None = None) -> float:
+    """Max |rollout logprob - transformers' temperature-1 logprob| of the sampled tokens, in fp32, with
+    `weights` (full tensors by parameter name) in place of the folder's."""
+    model, original = _reference_model(model_path)
+    params = dict(model.named_parameters())
+    for name, tensor in {**original, **(weights or {})}.items():
+        if name in params:
+            params[name].copy_(tensor.to("cpu", torch.float32))
+    worst = 0.0
+    for r in rollouts:
+        ids = torch.tensor([list(r.prompt_ids) + list(r.token_ids)])
+        logits = model(ids).logits[0, len(r.prompt_ids) - 1:-1].float()
+        ref = torch.log_softmax(logits, -1).gather(-1, torch.tensor(r.token_ids)[:, None]).squeeze(-1)
+        worst = max(worst, float((ref - torch.tensor(r.logprobs)).abs().max()))
+    return worst
+
+
+def long_prompts(max_model_len: int, count: int = 2) -> list[list[int]]:
+    """Prompts long enough to fill several blocks of any prefix cache (CPU vLLM caches 128-token blocks)."""
+    length = max(8, min(300, max_model_len - 16))
+    return [[32 + (7 * i + 3 * j) % 90 for i in range(length)] for j in range(count)]
 
 
 def perturbed(weights: dict[str, torch.Tensor], scale: float = 0.5, seed: int = 1) -> dict[str, torch.Tensor]:

@@ -1,7 +1,7 @@
 """Built-in synthetic tasks: seeded rows {prompt, answer} a tiny model can learn on a CPU.
 
 Prompts are a few characters (the tiny models' tokenizer spends one token per
-byte), and answers are checked by `gearshift.rewards:exact_match` or
+byte), and answers are checked by `gearshift.rl.rewards:exact_match` or
 `numeric_match`.
 
     rows = make_task("add", 1000, seed=0, digits=2)   # {"prompt": "12+7=", "answer": "19"}
@@ -64,8 +64,8 @@ def reverse(n: int, *, seed: int = 0, min_len: int = 3, max_len: int = 5) -> lis
 TASKS: dict[str, Callable[..., list[dict]]] = {"add": addition, "arith": arithmetic, "reverse": reverse}
 
 #: the reward that grades each task
-TASK_REWARDS = {"add": "gearshift.rewards:numeric_match", "arith": "gearshift.rewards:numeric_match",
-                "reverse": "gearshift.rewards:exact_match"}
+TASK_REWARDS = {"add": "gearshift.rl.rewards:numeric_match", "arith": "gearshift.rl.rewards:numeric_match",
+                "reverse": "gearshift.rl.rewards:exact_match"}
 
 
 def make_task(name: str, n: int = 4096, *, seed: int = 0, **options) -> list[dict]:

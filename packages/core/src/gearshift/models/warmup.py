@@ -14,10 +14,9 @@ from pathlib import Path
 
 import torch
 
-from .backends.torch_train import TorchTrainEngine
-from .conformance.train import nll
+from ..backends.torch_train import TorchTrainEngine
+from ..train import TrainBatch, nll_loss
 from .tiny import build_model
-from .train import TrainBatch
 
 
 def format_warmup(base: str, out: str | Path, rows: list[dict], *, steps: int = 40, batch_size: int = 64,
@@ -25,7 +24,7 @@ def format_warmup(base: str, out: str | Path, rows: list[dict], *, steps: int = 
     """Fine-tune `base` on `rows` with shuffled answers and save the result to `out` (a HF folder)."""
     from transformers import AutoTokenizer
 
-    from .data import tokenize_prompts
+    from ..rl.data import tokenize_prompts
 
     tokenizer = AutoTokenizer.from_pretrained(base)
     rng = random.Random(seed)
@@ -34,12 +33,12 @@ def format_warmup(base: str, out: str | Path, rows: list[dict], *, steps: int = 
     wrong = [tokenizer(rng.choice(answers), add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
              for _ in rows]
     torch.manual_seed(seed)
-    engine = TorchTrainEngine(base, lr=lr, seed=seed)
+    engine = TorchTrainEngine.build(base, lr=lr, seed=seed)
     for _ in range(steps):
         pick = rng.sample(range(len(rows)), min(batch_size, len(rows)))
         batch = TrainBatch.from_sequences([prompts[i] for i in pick], [wrong[i] for i in pick],
                                           pad_id=tokenizer.pad_token_id)
-        engine.train_step(batch, nll)
+        engine.train_step(batch, nll_loss)
     engine.save_hf(str(out))
     return str(out)
 
@@ -50,7 +49,7 @@ TASK_MODEL_OPTIONS = {"add": {"digits": 1, "second": 1}}
 
 def build_task_model(path: str | Path, preset: str, task: str, *, seed: int = 0, **task_options) -> str:
     """The preset's random model after `format_warmup` on `task`, built once under `path`."""
-    from .tasks import make_task
+    from ..rl.tasks import make_task
 
     path = Path(path)
     done = path / "gearshift-warmup.done"

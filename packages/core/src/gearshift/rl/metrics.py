@@ -8,16 +8,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from .profiler import proc_status_bytes
-
-
-def peak_memory_bytes() -> int:
-    """The CUDA allocator's high-water mark, or the process's resident-set high-water mark."""
-    import torch
-
-    if torch.cuda.is_available():
-        return torch.cuda.max_memory_allocated()
-    return proc_status_bytes("VmHWM")
+from ..profiler import pyplot
 
 
 def read_jsonl(path: str | os.PathLike) -> list[dict]:
@@ -87,18 +78,6 @@ class MetricsLogger:
             self._tb.close()
         if self._wandb is not None:
             self._wandb.finish()
-
-
-def pyplot():
-    """matplotlib.pyplot on a file-only backend, or None when matplotlib is not installed."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return None
-    return plt
 
 
 def plot_rewards(metrics_path: str | os.PathLike, png_path: str | os.PathLike, key: str = "reward/mean") -> bool:

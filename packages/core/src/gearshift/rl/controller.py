@@ -16,17 +16,19 @@ from typing import Any, Callable
 
 import torch
 
-from . import checkpoint, dist as gdist, registry
+from .. import dist as gdist, registry
+from . import checkpoint
 from .algos import (
     TOKENS_PER_SEQ, compute_advantages, kl_estimate, kl_in_reward, make_policy_loss_fn, make_value_loss_fn,
     tokens_per_seq,
 )
 from .config import Config
-from .hybrid import HybridActor
-from .mesh import MeshSpec
-from .metrics import MetricsLogger, peak_memory_bytes, plot_rewards
-from .rollout import Rollout, SamplingParams
-from .train import TrainBatch
+from ..hybrid import HybridActor
+from ..mesh import MeshSpec
+from ..profiler import peak_memory_bytes
+from .metrics import MetricsLogger, plot_rewards
+from ..rollout import Rollout, SamplingParams
+from ..train import TrainBatch
 
 RewardFn = Callable[..., "float | None"]
 
@@ -43,7 +45,7 @@ class Controller:
 
         from .data import PromptDataset
         from .rewards import load_reward
-        from .tiny import resolve_model
+        from ..models import resolve_model
 
         gdist.init()
         self.rank, self.world = gdist.rank(), gdist.world_size()
@@ -161,7 +163,7 @@ class Controller:
             **{f"switch/{p.name}": p.seconds for p in switch_in.phases + switch_out.phases},
             "memory/peak_gb": peak_memory_bytes() / 2**30, **times,
         })
-        metrics = _average_over_ranks(metrics)
+        metrics = gdist.average_metrics(metrics)
         metrics["time/step"] = time.perf_counter() - step_start
         self.step += 1
         self.samples = [(self.tokenizer.decode(x.prompt_ids, skip_special_tokens=True), x.text or "", rw)
@@ -262,23 +264,3 @@ class Controller:
     def export(self, path: str | Path) -> None:
         """Write the policy as a Hugging Face folder (loads with transformers and vLLM)."""
         self.policy.save_hf(str(path))
-
-
-def _average_over_ranks(metrics: dict[str, Any]) -> dict[str, Any]:
-    """Means over ranks, except maxima and minima (keys ending in max/min), which stay extremes."""
-    if not gdist.is_distributed():
-        return metrics
-    import torch.distributed as dist
-
-    out = dict(metrics)
-    groups = {"max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN, "": dist.ReduceOp.SUM}
-    for suffix, op in groups.items():
-        keys = sorted(k for k in metrics if (k.endswith(suffix) if suffix else not k.endswith(("max", "min"))))
-        if not keys:
-            continue
-        t = torch.tensor([float(metrics[k]) for k in keys], dtype=torch.float64, device=gdist.collective_device())
-        dist.all_reduce(t, op=op)
-        if not suffix:
-            t /= gdist.world_size()
-        out.update(zip(keys, t.tolist()))
-    return out

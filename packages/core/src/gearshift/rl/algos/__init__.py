@@ -1,6 +1,6 @@
 """RL algorithms as small registered functions: advantage estimators, policy losses, KL estimators.
 
-    from gearshift.algos import compute_advantages, make_policy_loss_fn
+    from gearshift.rl.algos import compute_advantages, make_policy_loss_fn
 
     adv, returns = compute_advantages("grpo", rewards, batch.loss_mask, group_ids=prompt_index)
     batch.extras["advantages"] = adv

@@ -177,7 +177,7 @@ class PromptDataset:
 
     @classmethod
     def from_task(cls, name: str, n: int = 4096, *, seed: int = 0, **options) -> "PromptDataset":
-        """A built-in synthetic task (`gearshift.tasks`)."""
+        """A built-in synthetic task (`gearshift.rl.tasks`)."""
         from .tasks import make_task
 
         return cls(make_task(name, n, seed=seed, **options), seed=seed)

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from ..train import LossFn, PolicyOutput, TrainBatch
+from ...train import LossFn, PolicyOutput, TrainBatch
 from .kl import KL_ESTIMATORS, kl_estimate
 from .masked import aggregate, check_aggregation, masked_mean
 from .registry import POLICY_LOSSES, register_policy_loss

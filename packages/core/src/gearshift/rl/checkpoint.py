@@ -13,8 +13,8 @@ from typing import Any, Mapping
 
 import torch
 
-from . import dist as gdist
-from .train import TrainEngine
+from .. import dist as gdist
+from ..train import TrainEngine
 
 MARKER = "COMPLETE"
 

@@ -9,7 +9,6 @@ as a user's model would, in every engine.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 from pathlib import Path
@@ -108,31 +107,3 @@ def build_model(path: str | os.PathLike, preset: str | dict = "tiny", arch: str 
     model.save_pretrained(str(path), safe_serialization=True)
     stamp.write_text(recipe)
     return str(path)
-
-
-def resolve_model(model: str, cache_dir: str | os.PathLike | None = None) -> str:
-    """A model path as given, or a preset built on first use under the cache folder.
-
-    Presets: 'tiny', 'small', 'bench100m', 'qwen2-0.5b' (random weights; add '-llama' for the
-    Llama architecture), and '<preset>-<task>' such as 'small-add': the preset after a short
-    format warm-up on a built-in task (see `gearshift.warmup`).
-    """
-    if os.path.isdir(model):
-        return model
-    root = Path(cache_dir or os.environ.get("GEARSHIFT_CACHE", Path.home() / ".cache" / "gearshift")) / "models"
-    digest = hashlib.sha1(model.encode()).hexdigest()[:8]
-    if model in PRESETS:
-        return build_model(root / f"{model}-{digest}", preset=model)
-    if model.endswith("-llama") and model[: -len("-llama")] in PRESETS:
-        return build_model(root / f"{model}-{digest}", preset=model[: -len("-llama")], arch="llama")
-    preset, _, task = model.rpartition("-")
-    from .tasks import TASKS
-
-    if preset in PRESETS and task in TASKS:
-        from .warmup import TASK_MODEL_OPTIONS, build_task_model
-
-        return build_task_model(root / f"{model}-{digest}", preset, task, **TASK_MODEL_OPTIONS.get(task, {}))
-    raise ValueError(
-        f"model {model!r} is neither a folder nor a preset; presets: {sorted(PRESETS)}, "
-        f"'<preset>-llama', or '<preset>-<task>' with a task from {sorted(TASKS)}"
-    )

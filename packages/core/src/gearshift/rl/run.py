@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 from typing import Any, Callable
 
-from .cli import command
+
 from .config import Config, ConfigError, _build, _merge, load_config
 
 
@@ -55,7 +55,7 @@ class Trainer:
         self.controller.export(path)
 
 
-def _train_args(parser: argparse.ArgumentParser) -> None:
+def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("config", nargs="?", help="YAML config file (optional; defaults train the built-in task)")
     parser.add_argument("overrides", nargs="*", metavar="key=value",
                         help="dotted overrides, e.g. algorithm.name=ppo rollout.backend=vllm run.steps=100")
@@ -63,8 +63,7 @@ def _train_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--export", metavar="DIR", help="write the final policy as a Hugging Face folder")
 
 
-@command("train", "run an RL job (GRPO by default); no arguments: the built-in arithmetic task on CPU", _train_args)
-def train(args: argparse.Namespace) -> int:
+def train_command(args: argparse.Namespace) -> int:
     import yaml
 
     path, overrides = args.config, list(args.overrides)

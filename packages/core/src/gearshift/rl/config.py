@@ -82,7 +82,7 @@ class AlgorithmConfig:
 
 @dataclass
 class RewardConfig:
-    fn: str = "gearshift.rewards:numeric_match"  # 'module:fn' or 'path/to/file.py:fn'
+    fn: str = "gearshift.rl.rewards:numeric_match"  # 'module:fn' or 'path/to/file.py:fn'
 
 
 @dataclass
@@ -116,7 +116,7 @@ class Config:
 
     def validate(self, world_size: int = 1) -> "Config":
         """Raise `ConfigError` listing every problem and what to change."""
-        from .mesh import MeshError, MeshSpec
+        from ..mesh import MeshError, MeshSpec
 
         problems: list[str] = []
         a, r, t, run = self.algorithm, self.rollout, self.train, self.run

@@ -1,0 +1,64 @@
+"""Loading Hugging Face causal LMs the way every engine should: dropout off, memory the process owns,
+tied weights named once.
+
+- Dropout is off unless asked: an on-policy update computed with dropout on is
+  off-policy (the sampled tokens came from the model without it).
+- Weights are copied into memory the process allocated itself. On the CPU,
+  `from_pretrained` can leave them as views of the checkpoint's file mapping,
+  at whatever offset the file put them; SIMD kernels then round differently
+  than on the aligned buffers a later update writes into, so restoring the same
+  weights would not restore the same outputs bit for bit (seen with GPT-2).
+- A tied output head is listed once, under the name `named_parameters()` gives
+  the shared tensor, and its other name recorded as an alias (see weights.py).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+def dropout_keys(config) -> list[str]:
+    """The config's dropout probabilities (float attributes named *dropout* or *pdrop*)."""
+    keys = []
+    for key, value in config.to_dict().items():
+        if isinstance(value, float) and ("dropout" in key or "pdrop" in key) and hasattr(config, key):
+            keys.append(key)
+    return keys
+
+
+def load_causal_lm(path: str, dtype: torch.dtype, *, dropout: bool = False) -> nn.Module:
+    """`AutoModelForCausalLM` from a local folder in `dtype`, on the CPU, in memory this process owns."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(path)
+    if not dropout:
+        for key in dropout_keys(config):
+            setattr(config, key, 0.0)
+    model = AutoModelForCausalLM.from_pretrained(path, config=config, dtype=dtype)
+    if not dropout:
+        for module in model.modules():
+            if isinstance(module, nn.Dropout):
+                module.p = 0.0
+    own_storage(model)
+    return model
+
+
+@torch.no_grad()
+def own_storage(model: nn.Module) -> None:
+    """Give every CPU parameter storage of its own (aligned, writable, not a view of a file mapping)."""
+    for p in model.parameters():
+        if p.device.type == "cpu":
+            p.data = p.data.clone()
+
+
+def tied_aliases(model: nn.Module, prefix: str = "") -> dict[str, str]:
+    """{other name: listed name} for parameters registered under several names (a tied head)."""
+    first: dict[int, str] = {}
+    aliases: dict[str, str] = {}
+    for name, p in model.named_parameters(prefix=prefix, remove_duplicate=False):
+        if id(p) in first:
+            aliases[name] = first[id(p)]
+        else:
+            first[id(p)] = name
+    return aliases

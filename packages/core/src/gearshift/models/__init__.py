@@ -1,0 +1,48 @@
+"""Models built locally, never downloaded: tiny random causal LMs of several architectures, and the
+format-warmed models of the built-in tasks.
+
+    path = resolve_model("tiny")         # a preset, built once under $GEARSHIFT_CACHE (~/.cache/gearshift)
+    path = resolve_model("tiny-gpt2")    # the same size in another architecture
+    path = resolve_model("small-add")    # the 'small' preset after a format warm-up on the 'add' task
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from pathlib import Path
+
+from .tiny import ARCHS, PRESETS, build_model, build_tokenizer
+
+
+def resolve_model(model: str, cache_dir: str | os.PathLike | None = None) -> str:
+    """A model path as given, or a preset built on first use under the cache folder.
+
+    Presets: 'tiny', 'small', 'bench100m', 'qwen2-0.5b' (random weights, Qwen2 architecture);
+    '<preset>-<arch>' for another architecture ('tiny-gpt2', 'tiny-llama', ...); and
+    '<preset>-<task>' such as 'small-add': the preset after a short format warm-up on a
+    built-in task (see `gearshift.models.warmup`).
+    """
+    from ..rl.tasks import TASKS
+
+    if os.path.isdir(model):
+        return model
+    root = Path(cache_dir or os.environ.get("GEARSHIFT_CACHE", Path.home() / ".cache" / "gearshift")) / "models"
+    folder = root / f"{model}-{hashlib.sha1(model.encode()).hexdigest()[:8]}"
+    if model in PRESETS:
+        return build_model(folder, preset=model)
+    preset, _, suffix = model.rpartition("-")
+    if preset in PRESETS and suffix in ARCHS:
+        return build_model(folder, preset=preset, arch=suffix)
+    if preset in PRESETS and suffix in TASKS:
+        from .warmup import TASK_MODEL_OPTIONS, build_task_model
+
+        return build_task_model(folder, preset, suffix, **TASK_MODEL_OPTIONS.get(suffix, {}))
+    raise ValueError(
+        f"model {model!r} is neither a folder nor a preset; presets: {sorted(PRESETS)}, "
+        f"'<preset>-<arch>' with an architecture from {list(ARCHS)}, or '<preset>-<task>' with a task from "
+        f"{sorted(TASKS)}"
+    )
+
+
+__all__ = ["ARCHS", "PRESETS", "build_model", "build_tokenizer", "resolve_model"]

@@ -1,0 +1,260 @@
+"""`ModuleTrainEngine`: the part of a trainer every backend built on a torch `nn.Module` would write again.
+
+It loads any `AutoModelForCausalLM` from a local folder (dropout off unless
+asked, a value head for a critic), runs micro-batched AdamW steps with global
+gradient clipping, computes log-probabilities, describes its weights, offloads
+state to host memory and back bit-exactly, checkpoints, and writes a Hugging
+Face folder through its own export. A sharding backend overrides hooks only:
+
+- `_check_mesh()`: refuse meshes it cannot run.
+- `_parallelize(model) -> module`: wrap or shard the model (default: move it to `device`).
+- `_placement(name, param) -> Placement`: where `param` lies on the mesh (default: replicated).
+- `_local(tensor) -> tensor`: this rank's shard of a parameter, gradient or state tensor (default: itself).
+- `_named_parameters()`: the trainable parameters under Hugging Face names (default: the module's).
+- `_build_optimizer() -> Optimizer`, `_backward(loss)`, `_clip_and_step() -> grad norm`.
+- `_state_tensors(tag)`: the local tensors behind an offload tag.
+- `save(path)` / `load(path)`: a resumable checkpoint (default: one file; needs one process).
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence
+
+import torch
+from torch import nn
+
+from . import dist as gdist
+from .hf import load_causal_lm, tied_aliases
+from .mesh import Placement
+from .offload import HostStash
+from .options import option
+from .tags import TRAIN_TAGS, check_tags
+from .train import LossFn, PolicyOutput, TrainArgs, TrainBatch, TrainEngine, token_logprobs
+from .weights import ParamSpec, WeightSpec
+
+
+def position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
+    """Positions that count only real tokens, so left and right padding give the same logits."""
+    return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+
+
+class ValueHeadModel(nn.Module):
+    """The causal LM's decoder, then a linear map of each position's last hidden state to a value (PPO's critic)."""
+
+    def __init__(self, lm: nn.Module) -> None:
+        super().__init__()
+        self.lm = lm
+        self.value_head = nn.Linear(lm.config.hidden_size, 1, dtype=next(lm.parameters()).dtype)
+        nn.init.zeros_(self.value_head.weight)  # start from value 0 everywhere: no bias in early advantages
+        nn.init.zeros_(self.value_head.bias)
+
+    @property
+    def config(self):
+        return self.lm.config
+
+    def forward(self, input_ids, attention_mask=None, position_ids=None, use_cache=False, **kw) -> torch.Tensor:
+        hidden = self.lm.base_model(
+            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=use_cache,
+        ).last_hidden_state
+        return self.value_head(hidden)[..., 0].float().clone()  # not a view: FSDP hooks need a tensor of its own
+
+
+class ModuleTrainEngine(TrainEngine):
+    """AdamW over a Hugging Face causal LM held as a torch module; subclasses shard it through the hooks."""
+
+    @dataclass(frozen=True)
+    class Options:
+        device: str | None = option(None, "device to train on (None: this rank's GPU if there is one, else the CPU)")
+        betas: tuple[float, float] = option((0.9, 0.999), "AdamW betas")
+        gradient_checkpointing: bool = option(False, "recompute activations during backward to save memory")
+
+    def __init__(self, args: TrainArgs, options=None) -> None:
+        super().__init__(args, options)
+        self._check_mesh()
+        opts = self.options
+        self.device = torch.device(opts.device) if opts.device else gdist.default_device()
+        self.dtype = args.torch_dtype
+        torch.manual_seed(args.seed)
+        self.hf_model = load_causal_lm(args.model, self.dtype, dropout=args.dropout)
+        self.hf_model.config.use_cache = False
+        if opts.gradient_checkpointing:
+            self.hf_model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        module = ValueHeadModel(self.hf_model) if args.value_head else self.hf_model
+        aliases = tied_aliases(module)
+        self.model = self._parallelize(module)
+        self.optimizer = self._build_optimizer()
+        self._params = dict(self._named_parameters())
+        self._spec = WeightSpec(self.mesh, tuple(
+            ParamSpec(n, tuple(p.shape), p.dtype, self._placement(n, p)) for n, p in self._params.items()
+        ), {a: t for a, t in aliases.items() if t in self._params})
+        self._stashes: dict[str, HostStash] = {}
+
+    # --- hooks ----------------------------------------------------------------------------
+    def _check_mesh(self) -> None:
+        if self.mesh.world_size != 1:
+            raise ValueError(f"{type(self).__name__} runs in one process; for mesh {self.mesh} use a sharding "
+                             f"backend such as 'fsdp'")
+
+    def _parallelize(self, model: nn.Module) -> nn.Module:
+        return model.to(self.device)
+
+    def _placement(self, name: str, param: torch.Tensor) -> Placement:
+        return Placement.replicated(self.mesh)
+
+    def _local(self, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor
+
+    def _named_parameters(self):
+        return ((n, p) for n, p in self.model.named_parameters() if p.requires_grad)
+
+    def _build_optimizer(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW([p for p in self.model.parameters() if p.requires_grad], lr=self.args.lr,
+                                 weight_decay=self.args.weight_decay, betas=tuple(self.options.betas))
+
+    def _backward(self, loss: torch.Tensor) -> None:
+        loss.backward()
+
+    def _clip_and_step(self) -> float:
+        """Clip to `max_grad_norm` over every shard, step; returns the norm before clipping."""
+        params = [p for p in self._params.values() if p.grad is not None]
+        norm = torch.nn.utils.get_total_norm([p.grad for p in params], foreach=True)
+        if hasattr(norm, "full_tensor"):  # a DTensor: the norm of this rank's shards, reduced here
+            norm = norm.full_tensor()
+        if self.args.max_grad_norm is not None:
+            torch.nn.utils.clip_grads_with_norm_(params, self.args.max_grad_norm, norm, foreach=True)
+        self.optimizer.step()
+        return float(norm)
+
+    def _state_tensors(self, tag: str) -> list[torch.Tensor]:
+        with torch.no_grad():
+            if tag == "params":
+                return [self._local(p) for p in self._params.values()]
+            if tag == "grads":
+                return [self._local(p.grad) for p in self._params.values() if p.grad is not None]
+            return [self._local(v) for st in self.optimizer.state.values() for v in st.values() if torch.is_tensor(v)]
+
+    # --- interface ------------------------------------------------------------------------
+    def weight_spec(self) -> WeightSpec:
+        return self._spec
+
+    def local_weights(self, names: list[str]) -> dict[str, torch.Tensor]:
+        self._need_onloaded(["params"], "export weights")
+        return {n: self._local(self._params[n].detach()) for n in names}
+
+    def _forward(self, batch: TrainBatch, with_entropy: bool) -> PolicyOutput:
+        batch = batch.to(self.device)
+        out = self.model(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
+                         position_ids=position_ids(batch.attention_mask), use_cache=False)
+        if self.args.value_head:  # a critic: values instead of log-probabilities
+            return PolicyOutput(torch.zeros_like(out), values=out)
+        return token_logprobs(out.logits, batch.input_ids, with_entropy)
+
+    @torch.no_grad()
+    def forward_logprobs(self, batch: TrainBatch, with_entropy: bool = False) -> PolicyOutput:
+        self._need_onloaded(["params"], "run forward")
+        self.model.eval()
+        outs = [self._forward(mb, with_entropy) for mb in batch.micro_batches(self.args.micro_batch_size)]
+
+        def cat(name: str):
+            parts = [getattr(o, name) for o in outs]
+            return None if parts[0] is None else torch.cat(parts)
+
+        return PolicyOutput(cat("logprobs"), cat("entropy"), cat("values"))
+
+    def train_step(self, batch: TrainBatch, loss_fn: LossFn) -> dict[str, float]:
+        self._need_onloaded(TRAIN_TAGS, "train")
+        self.model.train()
+        self.optimizer.zero_grad(set_to_none=True)
+        totals: dict[str, float] = {}
+        for mb in batch.micro_batches(self.args.micro_batch_size):
+            weight = mb.size / batch.size
+            out = self._forward(mb, with_entropy=True)
+            loss, metrics = loss_fn(out, mb.to(self.device))
+            self._backward(loss * weight)
+            for k, v in {"loss": float(loss.detach()), **metrics}.items():
+                totals[k] = totals.get(k, 0.0) + float(v) * weight
+        totals["grad_norm"] = self._clip_and_step()
+        totals["lr"] = self.optimizer.param_groups[0]["lr"]
+        return gdist.average_metrics(totals)
+
+    def offload(self, tags: Sequence[str] = TRAIN_TAGS) -> int:
+        """Copy the tagged state to host memory and free it on the device.
+
+        State already in host memory (on a CPU) stays where it is and counts 0 bytes:
+        nothing is copied for show.
+        """
+        moved = 0
+        for tag in check_tags(tags, TRAIN_TAGS):
+            if tag in self._stashes:
+                continue
+            stash = HostStash()
+            moved += stash.offload(t for t in self._state_tensors(tag) if t.device.type != "cpu")
+            if len(stash):
+                self._stashes[tag] = stash
+        return moved
+
+    def onload(self, tags: Sequence[str] = TRAIN_TAGS) -> int:
+        tags = check_tags(tags, TRAIN_TAGS)
+        return sum(self._stashes.pop(tag).restore() for tag in TRAIN_TAGS if tag in tags and tag in self._stashes)
+
+    def save(self, path: str) -> None:
+        if gdist.world_size() > 1:
+            raise NotImplementedError(f"{type(self).__name__} writes one-process checkpoints; a sharding "
+                                      f"backend writes its own")
+        self._need_onloaded(TRAIN_TAGS, "save a checkpoint")
+        Path(path).mkdir(parents=True, exist_ok=True)
+        torch.save({"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict()},
+                   os.path.join(path, "train_state.pt"))
+
+    def load(self, path: str) -> None:
+        self._need_onloaded(TRAIN_TAGS, "load a checkpoint")
+        state = torch.load(os.path.join(path, "train_state.pt"), map_location=self.device, weights_only=True)
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+
+    def save_hf(self, path: str) -> None:
+        """Gather the full weights bucket by bucket through `export_weights`; rank 0 writes the folder."""
+        rank = gdist.rank()
+        state: dict[str, torch.Tensor] = {}
+        for bucket in self.export_weights():
+            if rank == 0:
+                state.update((k, v.detach().to("cpu", copy=True)) for k, v in bucket.items())
+        if rank == 0:
+            write_hf_folder(path, self.hf_model, state, self.args.model, value_head=self.args.value_head)
+        del state
+        gdist.barrier()
+
+    def close(self) -> None:
+        self._stashes.clear()
+        self._params.clear()
+        self.optimizer = None
+        self.model = self.hf_model = None
+
+    def _need_onloaded(self, tags: Sequence[str], action: str) -> None:
+        away = [t for t in tags if t in self._stashes]
+        if away:
+            raise RuntimeError(f"cannot {action}: {away} are offloaded to host memory; call onload({away}) first")
+
+
+def write_hf_folder(path: str, hf_model: nn.Module, state: dict[str, torch.Tensor], source: str,
+                    value_head: bool = False) -> None:
+    """Write `state` as a Hugging Face folder of `hf_model`'s class and config, with `source`'s tokenizer;
+    a critic's value head goes beside it in value_head.safetensors."""
+    from safetensors.torch import save_file
+    from transformers import AutoTokenizer
+
+    if value_head:
+        lm = {k[len("lm."):]: v.contiguous() for k, v in state.items() if k.startswith("lm.")}
+        head = {k[len("value_head."):]: v.contiguous() for k, v in state.items() if k.startswith("value_head.")}
+        hf_model.save_pretrained(path, state_dict=lm)
+        save_file(head, os.path.join(path, "value_head.safetensors"))
+    else:
+        hf_model.save_pretrained(path, state_dict=state)
+    try:
+        AutoTokenizer.from_pretrained(source).save_pretrained(path)
+    except (OSError, ValueError) as err:
+        warnings.warn(f"save_hf: no tokenizer copied from {source}: {err}", stacklevel=2)

@@ -1,0 +1,30 @@
+"""Moving weights from the training layout to the rollout layout.
+
+`plan_reshard` (planner.py) works out once, from the two engines' `WeightSpec`s,
+which slice of which weight each rank sends to which rank and where the bucket
+boundaries fall: a `ReshardPlan` (plan.py, plain data). `stream_plan`
+(stream.py) then walks that list on every switch: local pieces are views or
+copies, remote ones point-to-point messages, one bucket at a time, so the extra
+memory is one bucket.
+
+When every rank already holds each weight whole, in the dtype and on the
+device the rollout engine wants (one process, or data parallel on both sides,
+fp32 on a CPU), there is nothing to move: a rollout engine that can serve from
+the trainer's own tensors (`RolloutEngine.share_weights`) is handed them, and a
+sync costs a few pointer swaps (`share_refusal` says why a plan cannot).
+
+Two resharders ship with the core (resharders.py): `stream` (the above) and
+`naive` (what a system without a resharder does: the trainer writes a full
+safetensors checkpoint and the rollout engine reloads it from that path);
+benchmarks compare against the latter.
+"""
+
+from .plan import BucketPlan, RankPiece, RankView, ReshardPlan, Transfer
+from .planner import DEFAULT_BUCKET_BYTES, plan_reshard, share_refusal
+from .resharders import NaiveResharder, Resharder, StreamingResharder
+from .stream import stream_plan
+
+__all__ = [
+    "DEFAULT_BUCKET_BYTES", "BucketPlan", "NaiveResharder", "RankPiece", "RankView", "ReshardPlan", "Resharder",
+    "StreamingResharder", "Transfer", "plan_reshard", "share_refusal", "stream_plan",
+]

@@ -1,0 +1,106 @@
+"""Walking a `ReshardPlan` on every switch: this rank's weights in the rollout layout, bucket by bucket."""
+
+from __future__ import annotations
+
+from contextlib import AbstractContextManager, nullcontext
+from typing import Callable, Iterator, Mapping
+
+import torch
+import torch.distributed as dist
+
+from .. import dist as gdist
+from ..weights import WeightBucket
+from .plan import BucketPlan, ReshardPlan, numel
+
+
+def stream_plan(
+    plan: ReshardPlan,
+    local_weights: Callable[[list[str]], Mapping[str, torch.Tensor]],
+    rank: int | None = None,
+    group: dist.ProcessGroup | None = None,
+    cast: bool = True,
+    materialized: Callable[[list[str]], AbstractContextManager] | None = None,
+) -> Iterator[WeightBucket]:
+    """Yield this rank's weights in the rollout layout, bucket by bucket, running the plan's copies.
+
+    `local_weights(names)` returns this rank's shards in the train layout (views are fine),
+    under the train engine's names. `materialized(names)`, when given, is entered around each
+    bucket, from before its weights are read until the consumer asks for the next bucket (an
+    engine that gathers weights per bucket keeps them only that long); every rank enters it for
+    every bucket in the same order. A piece that is already whole and in the right dtype is passed
+    on as is: no copy. `cast=False` passes whole local pieces on in the trainer's dtype too, for a
+    receiver that casts as it copies (`RolloutEngine.casts_on_load`): one pass over the bytes
+    instead of two. Pieces bound for another rank travel packed: one message per peer (and dtype)
+    per bucket, so a switch sends a few large messages rather than one per weight slice.
+    """
+    rank = gdist.rank() if rank is None else rank
+    materialized = materialized or (lambda names: nullcontext())
+    dtypes = sorted({str(p.dtype) for p in plan.dst})
+
+    def tag(bucket: BucketPlan, dtype: torch.dtype) -> int:  # both ends work it out from the plan alone
+        return bucket.index * len(dtypes) + dtypes.index(str(dtype))
+
+    for bucket in plan.buckets:
+        sources = [plan.source_names[n] for n in bucket.names]
+        with materialized(sources):
+            by_source = local_weights(sources)
+            local = {name: by_source[src] for name, src in zip(bucket.names, sources)}
+            yield _assemble(plan, bucket, local, rank, group, cast, tag)
+
+
+def _assemble(plan, bucket, local, rank, group, cast, tag) -> WeightBucket:
+    out: dict[str, torch.Tensor] = {}
+    # the tensors this rank assembles are views into one buffer per dtype: one allocation, not one per weight
+    sizes: dict[torch.dtype, int] = {}
+    for name in bucket.names:
+        view = plan.rank_view(rank, name)
+        if not view.whole:
+            dtype = plan.target(name).dtype
+            sizes[dtype] = sizes.get(dtype, 0) + numel(view.shape)
+    device = local[bucket.names[0]].device if bucket.names else None
+    arena = {dtype: torch.empty(n, dtype=dtype, device=device) for dtype, n in sizes.items()}
+    used = dict.fromkeys(arena, 0)
+    sends: dict[tuple[int, torch.dtype], list[torch.Tensor]] = {}
+    recvs: dict[tuple[int, torch.dtype], list[tuple[torch.Tensor, tuple[slice, ...], tuple[int, ...]]]] = {}
+    for name in bucket.names:
+        dtype = plan.target(name).dtype
+        view = plan.rank_view(rank, name)
+        if view.whole:
+            t = local[name]
+            out[name] = t if t.dtype == dtype or not cast else t.to(dtype)
+            continue
+        start, n = used[dtype], numel(view.shape)
+        out[name] = arena[dtype][start:start + n].view(view.shape)
+        used[dtype] = start + n
+        for piece in view.pieces:
+            if piece.src == rank:
+                part = local[name][piece.src_slices]
+                if piece.dst == rank:
+                    out[name][piece.dst_slices].copy_(part)
+                else:
+                    sends.setdefault((piece.dst, dtype), []).append(part.reshape(-1))
+            else:
+                recvs.setdefault((piece.src, dtype), []).append((out[name], piece.dst_slices, piece.shape))
+    if sends or recvs:
+        _exchange(bucket, sends, recvs, device, group, tag)
+    return WeightBucket(out, bucket.index)  # its tensors keep the arena alive; the consumer decides when it goes
+
+
+def _exchange(bucket, sends, recvs, device, group, tag) -> None:
+    """One message per peer and dtype: packed (and cast) in one pass, split out where it lands."""
+    ops: list[dist.P2POp] = []
+    for (peer, dtype), flats in sends.items():
+        flat = torch.empty(sum(f.numel() for f in flats), dtype=dtype, device=device)
+        torch.cat(flats, out=flat)
+        ops.append(dist.P2POp(dist.isend, flat, peer, group, tag(bucket, dtype)))
+    landing = []
+    for (peer, dtype), places in recvs.items():
+        flat = torch.empty(sum(numel(shape) for _, _, shape in places), dtype=dtype, device=device)
+        ops.append(dist.P2POp(dist.irecv, flat, peer, group, tag(bucket, dtype)))
+        landing.append((flat, places))
+    for work in dist.batch_isend_irecv(ops):
+        work.wait()
+    for flat, places in landing:
+        parts = flat.split([numel(shape) for _, _, shape in places])
+        for (buf, where, shape), part in zip(places, parts):
+            buf[where].copy_(part.view(shape))
