@@ -18,8 +18,12 @@ TRITON=3.9.0
 constraints=$(mktemp)
 trap 'rm -f "$constraints"' EXIT
 "$py" -m pip freeze --exclude-editable | grep -v -e ' @ ' -e '^-e' > "$constraints"
+had_triton=$("$py" -c 'import importlib.util as u; print(u.find_spec("triton") is not None)')
 "$py" -m pip install -q --no-deps "sglang==$SGLANG"
 "$py" -m pip install -q -c "$constraints" -e "packages/backend-sglang[cpu]"
+# xgrammar's requirements pull triton in; where the environment had none (tools/install.sh removes it), it
+# stays out of everyone's sight: SGLang takes it from the private folder below
+[ "$had_triton" = True ] || "$py" -m pip uninstall -q -y triton
 site=$("$py" -c 'from gearshift_sglang.imports import private_site; print(private_site())')
 "$py" -m pip install -q --no-deps --upgrade --target "$site" "torchvision==$TORCHVISION" "triton==$TRITON"
 "$py" -c 'import torch; assert torch.__version__ == "2.13.0+cpu", torch.__version__'

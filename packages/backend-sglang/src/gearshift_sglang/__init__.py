@@ -1,1 +1,5 @@
-"""gearshift-sglang: package of the SGLang rollout backend (no engine registered yet)."""
+"""gearshift-sglang: rollout backend `sglang`, SGLang's engine colocated with the trainer."""
+
+from .engine import SGLangRolloutEngine
+
+__all__ = ["SGLangRolloutEngine"]

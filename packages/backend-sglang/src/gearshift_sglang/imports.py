@@ -29,6 +29,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import sys
+from contextlib import contextmanager
 from pathlib import Path
 
 from . import kernel
@@ -74,6 +75,24 @@ def prepare(on_gpu: bool | None = None) -> dict[str, bool]:
     declare_torchvision_ops()
     done["kernel_stand_in"] = kernel.install()
     return done
+
+
+@contextmanager
+def importing_sglang():
+    """`prepare()` for the block that imports SGLang; the private site leaves `sys.path` afterwards.
+
+    The packages imported from it stay loaded, and their submodules importable; but spawned
+    processes copy the parent's `sys.path` and import its main module before anything of
+    gearshift's runs there: with the folder on their path, transformers would meet torchvision
+    before its schemas are declared.
+    """
+    done = prepare()
+    try:
+        yield done
+    finally:
+        if done["private_site"] and str(private_site()) in sys.path:
+            sys.path.remove(str(private_site()))
+            importlib.invalidate_caches()
 
 
 def _needs(site: Path) -> bool:

@@ -1,0 +1,294 @@
+"""Rollout backend `sglang`: SGLang's `Engine` inside the training process, weights updated from tensors.
+
+The `Engine` object lives in the host; SGLang runs the model in a scheduler
+process it spawns (and detokenizes in another), reached over ZMQ. Weights
+travel there as flattened buckets in shared memory (CUDA IPC on GPU) through
+`update_weights_from_tensor`, between `begin_weight_update()` and
+`end_weight_update()`; SGLang answers `(ok, message)` rather than raising, and
+every answer is checked. What SGLang would fail on inside its scheduler (a wrong
+name or shape, resuming memory that was not released) is refused here first:
+a scheduler that fails takes the host process down with it (see host.py).
+
+CPU: SGLang's CPU engine (torch-native attention) with `sgl_kernel` stood in
+where it cannot be installed (kernel.py, imports.py). Release and resume of
+memory free nothing there (SGLang's memory saver needs CUDA): `sleep` then only
+marks the tags and drops the prefix cache, unless `release_memory=True`.
+
+SGLang is imported only when an engine is built, so this package imports (and
+`gearshift backends` can say what is missing) without it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+from collections.abc import Sequence as SequenceABC
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, ClassVar, Iterable, Sequence
+
+import torch
+
+from gearshift import dist as gdist
+from gearshift.options import option
+from gearshift.rollout import ROLLOUT_TAGS, Rollout, RolloutArgs, RolloutEngine, RolloutError, SamplingParams
+from gearshift.weights import WeightBucket, WeightError, WeightSpec
+
+from .host import cache_environment, contained, default_cache_dir
+from .imports import cpu_environment, importing_sglang
+from .weights import FlatBuckets, hf_weight_spec
+
+INSTALL = "pip install 'gearshift-sglang[cpu]' && tools/install_sglang.sh (CPU), or 'gearshift-sglang[gpu]'"
+CPU_RELEASES_NOTHING = "CPU SGLang releases nothing: its memory saver needs CUDA"
+DEFAULT_CPU_KV_CACHE_BYTES = 256 << 20
+TOP_K_ALL = -1  # SGLang's "no top-k"
+
+
+def _conformance_xfail() -> dict[str, dict[str, str]]:
+    """Contracts this backend is known not to keep where it runs (read by the conformance plugin)."""
+    return {} if torch.cuda.is_available() else {"rollout": {"test_sleep_frees_memory": CPU_RELEASES_NOTHING}}
+
+
+def import_sglang():
+    try:
+        with importing_sglang():
+            import sglang  # noqa: F401
+            from sglang.srt.entrypoints.engine import Engine
+    except ImportError as e:
+        raise ImportError(f"the sglang rollout backend needs SGLang, which is not importable ({e}): {INSTALL}") from e
+    return Engine
+
+
+class SGLangRolloutEngine(RolloutEngine):
+    """SGLang generation with the model's own per-token logprobs; weights loaded from tensors in flat buckets."""
+
+    requires: ClassVar[tuple[str, ...]] = ("sglang",)
+    install: ClassVar[str] = INSTALL
+    conformance_xfail: ClassVar[dict[str, dict[str, str]]] = _conformance_xfail()
+
+    @dataclass(frozen=True)
+    class Options:
+        cache_dir: str | None = option(None, "SGLang's caches, sockets and temporary files (default "
+                                             "~/.cache/gearshift/sglang)")
+        kv_cache_bytes: int | None = option(None, "KV cache size (CPU default 256 MiB; GPU default: "
+                                                  "mem_fraction_static)")
+        mem_fraction_static: float = option(0.5, "share of GPU memory for weights and KV cache (GPU only)")
+        enable_prefix_caching: bool = option(False, "reuse keys and values of shared prompt prefixes (SGLang's radix "
+                                                    "cache); off by default: a prefix served from the cache was "
+                                                    "computed in another pass shape, so a repeated request is not "
+                                                    "bit-identical (4.8e-7 apart in fp32 on CPU)")
+        release_memory: bool | None = option(None, "sleep releases memory through SGLang (None: on GPU only; "
+                                                   "on CPU it frees nothing and costs ~0.5 s)")
+        engine_kwargs: dict[str, Any] = option({}, "passed to sglang.Engine as they are")
+
+    def __init__(self, args: RolloutArgs, options: "SGLangRolloutEngine.Options | None" = None) -> None:
+        """Start SGLang for `args.model` (a local Hugging Face folder); see `Options` and the README."""
+        super().__init__(args, options)
+        opts = self.options
+        if self.mesh.tp != 1 or self.mesh.pp != 1 or self.mesh.sp != 1:
+            raise ValueError(f"the sglang rollout backend runs one engine per rank (mesh dp=N), got {self.mesh}")
+        self.model_path = args.model
+        self.on_gpu = torch.cuda.is_available()
+        self.device = gdist.default_device()
+        self.rank = gdist.rank()
+        self.dtype = args.torch_dtype
+        self.cache_dir = Path(opts.cache_dir) if opts.cache_dir else default_cache_dir()
+        self.release_memory = self.on_gpu if opts.release_memory is None else opts.release_memory
+
+        from transformers import AutoConfig
+
+        config = AutoConfig.from_pretrained(self.model_path)
+        self._vocab_size = int(config.vocab_size)
+        self._spec = hf_weight_spec(self.model_path, self.mesh, self.dtype)
+        kwargs: dict[str, Any] = dict(
+            model_path=self.model_path, dtype=args.dtype, random_seed=args.seed, log_level="error",
+            context_length=args.max_model_len, disable_radix_cache=not opts.enable_prefix_caching,
+            skip_server_warmup=True,
+        )
+        if self.on_gpu:
+            kwargs.update(base_gpu_id=self.device.index or 0, mem_fraction_static=opts.mem_fraction_static,
+                          enable_memory_saver=True)
+        else:
+            kwargs.update(device="cpu", attention_backend="torch_native", disable_cuda_graph=True)
+        kv_bytes = opts.kv_cache_bytes or (None if self.on_gpu else DEFAULT_CPU_KV_CACHE_BYTES)
+        if kv_bytes is not None:
+            kwargs["max_total_tokens"] = max(1, int(kv_bytes) // _kv_bytes_per_token(config, self.dtype))
+        kwargs.update(opts.engine_kwargs)
+
+        self._env = {**cache_environment(self.cache_dir), **({} if self.on_gpu else cpu_environment())}
+        with contained(self._env, self.cache_dir / "tmp") as host:
+            Engine = import_sglang()
+            from . import children  # prepares the imports on import: only once SGLang is wanted
+
+            class GearshiftEngine(Engine):
+                run_scheduler_process_func = staticmethod(children.run_scheduler_process)
+                run_detokenizer_process_func = staticmethod(children.run_detokenizer_process)
+
+            self._loop_policy = asyncio.get_event_loop_policy()  # SGLang's (uvloop), set when it was imported
+            self._engine = GearshiftEngine(**kwargs)
+            self._engine.collective_rpc("gearshift_freeze_gc")  # see children.py: cache flushes walk less
+        #: variables SGLang set in the host, put back after start (and after each call)
+        self.host_changes = host.changed_env
+        # SGLang keeps a few tokens of the context in reserve: a prompt must be shorter than this
+        info = self._engine._scheduler_init_result.scheduler_infos[0]
+        self.max_model_len = int(info.get("max_req_input_len", self._engine.tokenizer_manager.context_len))
+        self._tokenizer = self._engine.tokenizer_manager.tokenizer
+        self._flat = FlatBuckets(self.device)
+        self._rng = random.Random(args.seed + self.mesh.coords(self.rank)["dp"])
+        self._asleep: set[str] = set()  # what the caller put to sleep
+        self._released: set[str] = set()  # what SGLang released
+
+    @contextmanager
+    def _calling_sglang(self):
+        """Around every call into SGLang: its event loop policy and variables, the host's state kept."""
+        if self._engine is None:
+            raise RolloutError("the sglang engine is closed")
+        with contained(self._env, self.cache_dir / "tmp", self._loop_policy):
+            yield
+
+    # --- generation -----------------------------------------------------------------------
+    def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams) -> list[Rollout]:
+        self.check_prompts(prompts, sampling, self._vocab_size)
+        if self._asleep:
+            raise RolloutError(f"the engine's {sorted(self._asleep)} are asleep: call wake() first "
+                               f"(and update the weights, which sleep discards)")
+        ids = [[int(t) for t in p] for p in prompts for _ in range(sampling.n)]
+        params = [self._sampling(sampling, len(p)) for p in prompts for _ in range(sampling.n)]
+        with self._calling_sglang():
+            if not sampling.greedy:
+                # SGLang's CPU sampler draws from its scheduler's global generator: seed it for this batch
+                seed = sampling.seed if sampling.seed is not None else self._rng.getrandbits(63)
+                self._engine.collective_rpc("gearshift_reseed", seed=int(seed))
+            outputs = self._engine.generate(input_ids=ids, sampling_params=params, return_logprob=True)
+        return [self._rollout(ids[j], out, j // sampling.n, j % sampling.n) for j, out in enumerate(outputs)]
+
+    def _sampling(self, s: SamplingParams, prompt_len: int) -> dict[str, Any]:
+        return {
+            "max_new_tokens": min(s.max_tokens, self.max_model_len - prompt_len),
+            "temperature": s.temperature, "top_p": s.top_p, "top_k": s.top_k or TOP_K_ALL,
+            "stop": list(s.stop) or None, "stop_token_ids": list(s.stop_token_ids) or None,
+        }
+
+    def _rollout(self, prompt: list[int], out: dict, index: int, sample: int) -> Rollout:
+        meta = out["meta_info"]
+        reason = (meta.get("finish_reason") or {}).get("type")
+        if reason not in ("stop", "length"):
+            raise RolloutError(f"SGLang ended prompt {index} with finish reason {meta.get('finish_reason')!r}")
+        tokens = [int(t) for t in out["output_ids"]]
+        logprobs = [float(lp) for lp, _, _ in meta["output_token_logprobs"]]
+        if len(logprobs) != len(tokens):
+            raise RolloutError(f"SGLang returned {len(logprobs)} logprobs for {len(tokens)} tokens of prompt {index}")
+        return Rollout(prompt, tokens, logprobs, reason, prompt_index=index, sample_index=sample, text=out["text"])
+
+    # --- weights ----------------------------------------------------------------------------
+    def weight_spec(self) -> WeightSpec:
+        return self._spec
+
+    def update_weights(self, buckets: Iterable[WeightBucket]) -> int:
+        """Load the buckets through `update_weights_from_tensor`, one flat buffer per bucket.
+
+        A list is checked whole before anything loads; a stream bucket by bucket, each before any of it
+        is sent. The prefix cache is flushed once, after the last bucket, however the update ends.
+        """
+        if "weights" in self._asleep or "weights" in self._released:
+            raise RolloutError("the engine's weights are asleep: call wake(['weights']) before updating them")
+        if isinstance(buckets, SequenceABC):
+            for bucket in buckets:
+                self._spec.check(bucket.tensors, self.rank)
+        loaded, applied = 0, 0
+        with self._calling_sglang():
+            self._answer("begin_weight_update", self._engine.begin_weight_update())
+            try:
+                for bucket in buckets:
+                    try:
+                        tensors = self._spec.check(bucket.tensors, self.rank)
+                    except WeightError as e:
+                        raise WeightError(f"{e} ({applied} weights from the buckets before it were applied)") from e
+                    if tensors:
+                        self._load(tensors, applied)
+                    loaded += bucket.nbytes
+                    applied += len(tensors)
+                    del tensors, bucket
+            finally:
+                self._answer("end_weight_update", self._engine.end_weight_update())
+                self._flush()
+        return loaded
+
+    def _load(self, tensors: dict[str, torch.Tensor], applied: int) -> None:
+        payload = self._flat.pack({n: t.to(self.device, self.dtype) for n, t in tensors.items()})
+        ok, message = self._engine.update_weights_from_tensor([payload], load_format="flattened_bucket",
+                                                               flush_cache=False)
+        if not ok:
+            raise WeightError(f"SGLang refused the weights: {message} ({applied} weights from the buckets before "
+                              f"it were applied)")
+
+    @staticmethod
+    def _answer(call: str, answer) -> None:
+        ok, message = answer if isinstance(answer, tuple) else (getattr(answer, "success", True), answer)
+        if not ok:
+            raise WeightError(f"SGLang's {call} failed: {message}")
+
+    def reset_cache(self) -> None:
+        with self._calling_sglang():
+            self._flush()
+
+    def _flush(self) -> None:
+        answer = self._engine.flush_cache()
+        if not answer.success:
+            raise RolloutError(f"SGLang did not flush its cache: {answer.message}")
+
+    # --- memory -----------------------------------------------------------------------------
+    def sleep(self, tags: Sequence[str] = ROLLOUT_TAGS) -> None:
+        """Release the tags through SGLang (`release_memory`), or only mark them; the prefix cache is dropped."""
+        tags = set(self._tags(tags)) - self._asleep
+        if not tags:
+            return
+        with self._calling_sglang():
+            self._flush()
+            if self.release_memory:
+                # the KV cache first: SGLang flushes it on release; CUDA graphs go with the weights on GPU
+                for tag in [t for t in ("kv_cache", "weights") if t in tags]:
+                    sglang_tags = [tag, "cuda_graph"] if tag == "weights" and self.on_gpu else [tag]
+                    self._engine.release_memory_occupation(tags=sglang_tags)
+                    self._released.add(tag)
+        self._asleep |= tags
+
+    def wake(self, tags: Sequence[str] = ROLLOUT_TAGS) -> None:
+        """Resume what SGLang released, weights before the KV cache (woken weights still need an update)."""
+        tags = set(self._tags(tags))
+        with self._calling_sglang():
+            for tag in [t for t in ("weights", "kv_cache") if t in tags & self._released]:
+                sglang_tags = [tag, "cuda_graph"] if tag == "weights" and self.on_gpu else [tag]
+                self._engine.resume_memory_occupation(tags=sglang_tags)
+                self._released.discard(tag)
+        self._asleep -= tags
+
+    def resident_bytes(self) -> dict[str, int]:
+        """Bytes the scheduler process holds in the model's parameters and the KV cache, measured there."""
+        report = self.cache_dir / "tmp" / f"memory-{id(self)}.json"
+        with self._calling_sglang():
+            self._engine.collective_rpc("gearshift_report", path=str(report))
+        held = json.loads(report.read_text())
+        report.unlink()
+        return {"weights": 0 if "weights" in self._released and self.on_gpu else held["weights"],
+                "kv_cache": 0 if "kv_cache" in self._released and self.on_gpu else held["kv_cache"]}
+
+    def close(self) -> None:
+        engine, self._engine = getattr(self, "_engine", None), None
+        if engine is None:
+            return
+        with contained(self._env, self.cache_dir / "tmp", self._loop_policy):
+            engine.shutdown()
+        self._flat.release()
+
+
+def _kv_bytes_per_token(config, dtype: torch.dtype) -> int:
+    text = getattr(config, "text_config", None) or config
+    heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    return 2 * text.num_hidden_layers * heads * head_dim * dtype.itemsize
+
+
+__all__ = ["SGLangRolloutEngine", "import_sglang"]

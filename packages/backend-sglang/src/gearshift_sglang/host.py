@@ -1,0 +1,140 @@
+"""Keeping SGLang's process-wide side effects out of the trainer that shares the process.
+
+Importing SGLang and starting an `Engine` change, in the host process (seen on
+SGLang 0.5.23): environment variables (cache folders under ~/.cache/sglang,
+`NCCL_*`, `CUDA_DEVICE_MAX_CONNECTIONS`, `TORCHINDUCTOR_*`, `LD_LIBRARY_PATH`
+through OpenCV, a run id drawn from `random`), the asyncio event loop policy
+(uvloop), the SIGTERM handler (the engine's loop takes it), the multiprocessing
+start method (`spawn`, forced), the stack size limit, the root logger (a
+handler, and its level), and Python's random generator. Its sockets and
+temporary files go to the temporary directory.
+
+`contained()` records all of this before a block that calls into SGLang and
+puts it back after; SGLang's own variables (`SGLANG_*`) stay, since SGLang
+reads them later. Around each later call the engine sets SGLang's event loop
+policy again (its coroutines run on its loop). SIGQUIT is left to SGLang: its
+scheduler process sends it when it fails, and SGLang's handler then ends the
+process tree, host included (a host left running would wait forever on a dead
+scheduler).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import multiprocessing
+import os
+import random
+import resource
+import signal
+import tempfile
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterator
+
+import torch
+
+OWN_PREFIX = "SGLANG_"
+SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGCHLD)
+LIMITS = (resource.RLIMIT_STACK, resource.RLIMIT_NOFILE)
+
+
+def default_cache_dir() -> Path:
+    return Path(os.environ.get("GEARSHIFT_CACHE", Path.home() / ".cache" / "gearshift")) / "sglang"
+
+
+def cache_environment(root: str | os.PathLike) -> dict[str, str]:
+    """SGLang's and its compilers' cache folders, and the temporary directory, under `root`."""
+    root = Path(root)
+    (root / "tmp").mkdir(parents=True, exist_ok=True)
+    return {
+        "SGLANG_CACHE_DIR": str(root / "cache"),
+        "TRITON_CACHE_DIR": str(root / "cache" / "triton"),
+        "TORCHINDUCTOR_CACHE_DIR": str(root / "cache" / "inductor"),
+        "TMPDIR": str(root / "tmp"),  # SGLang's IPC sockets; its child processes read it at start
+    }
+
+
+@dataclass
+class HostState:
+    environ: dict[str, str]
+    handlers: dict
+    start_method: str | None
+    limits: dict
+    root_handlers: list
+    root_level: int
+    python_rng: tuple
+    torch_rng: torch.Tensor
+    numpy_rng: tuple | None
+    tempdir: str | None
+    loop_policy: asyncio.AbstractEventLoopPolicy
+    changed_env: dict[str, tuple[str | None, str | None]] = field(default_factory=dict)
+
+    @classmethod
+    def capture(cls) -> "HostState":
+        root = logging.getLogger()
+        return cls(dict(os.environ), {s: signal.getsignal(s) for s in SIGNALS},
+                   multiprocessing.get_start_method(allow_none=True), {r: resource.getrlimit(r) for r in LIMITS},
+                   list(root.handlers), root.level, random.getstate(), torch.get_rng_state(), _numpy_state(),
+                   tempfile.tempdir, asyncio.get_event_loop_policy())
+
+    def restore(self) -> None:
+        for s, handler in self.handlers.items():
+            if signal.getsignal(s) is not handler and handler is not None:
+                signal.signal(s, handler)
+        if multiprocessing.get_start_method(allow_none=True) != self.start_method:
+            multiprocessing.set_start_method(self.start_method, force=True)
+        for r, limit in self.limits.items():
+            if resource.getrlimit(r) != limit:
+                try:
+                    resource.setrlimit(r, limit)
+                except (ValueError, OSError):
+                    pass
+        root = logging.getLogger()
+        root.handlers[:] = self.root_handlers
+        root.setLevel(self.root_level)
+        random.setstate(self.python_rng)
+        torch.set_rng_state(self.torch_rng)
+        if self.numpy_rng is not None:
+            import numpy
+
+            numpy.random.set_state(self.numpy_rng)
+        tempfile.tempdir = self.tempdir
+        asyncio.set_event_loop_policy(self.loop_policy)
+        for key in set(os.environ) | set(self.environ):
+            if key.startswith(OWN_PREFIX):
+                continue
+            before, now = self.environ.get(key), os.environ.get(key)
+            if before == now:
+                continue
+            self.changed_env[key] = (before, now)
+            if before is None:
+                del os.environ[key]
+            else:
+                os.environ[key] = before
+
+
+def _numpy_state():
+    try:
+        import numpy
+    except ImportError:
+        return None
+    return numpy.random.get_state()
+
+
+@contextmanager
+def contained(env: dict[str, str], tmp: str | os.PathLike | None = None,
+              loop_policy: asyncio.AbstractEventLoopPolicy | None = None) -> Iterator[HostState]:
+    """Run a block that calls into SGLang with `env` set (and its event loop policy), the host's state put
+    back afterwards."""
+    state = HostState.capture()
+    os.environ.update(env)
+    if tmp is not None:
+        tempfile.tempdir = str(tmp)
+    if loop_policy is not None:
+        asyncio.set_event_loop_policy(loop_policy)
+    try:
+        yield state
+    finally:
+        state.restore()

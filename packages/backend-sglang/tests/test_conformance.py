@@ -1,0 +1,45 @@
+"""The core conformance suite: the sglang rollout engine alone, and paired with the `torch` and `fsdp` trainers."""
+
+import pytest
+
+from gearshift.backends.torch_train import TorchTrainEngine
+from gearshift.conformance import PairSuite, RolloutEngineSuite
+from gearshift_sglang.engine import SGLangRolloutEngine
+
+try:
+    from gearshift_fsdp.engine import FSDPTrainEngine
+except ImportError:  # the fsdp backend is not installed here: its pair is skipped
+    FSDPTrainEngine = None
+
+
+class TestSGLangRollout(RolloutEngineSuite):
+    rollout_backend = SGLangRolloutEngine  # its conformance_xfail: CPU SGLang releases nothing
+
+    @pytest.fixture
+    def rollout_engine(self, serving_model_weights):
+        return serving_model_weights
+
+
+class TestTorchSGLangPair(PairSuite):
+    train_backend, rollout_backend = TorchTrainEngine, SGLangRolloutEngine
+
+    @pytest.fixture(scope="class")
+    def train_engine(self, gearshift_model):
+        return TorchTrainEngine.build(gearshift_model, lr=1e-2)
+
+    @pytest.fixture
+    def rollout_engine(self, serving_model_weights):
+        return serving_model_weights
+
+
+@pytest.mark.skipif(FSDPTrainEngine is None, reason="gearshift-fsdp is not installed")
+class TestFSDPSGLangPair(PairSuite):
+    train_backend, rollout_backend = FSDPTrainEngine, SGLangRolloutEngine
+
+    @pytest.fixture(scope="class")
+    def train_engine(self, gearshift_model):
+        return FSDPTrainEngine.build(gearshift_model, lr=1e-2, param_dtype="float32")
+
+    @pytest.fixture
+    def rollout_engine(self, serving_model_weights):
+        return serving_model_weights
