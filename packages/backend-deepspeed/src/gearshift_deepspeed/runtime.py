@@ -1,0 +1,71 @@
+"""Starting DeepSpeed inside a gearshift process: the process group, no C++ builds, one `initialize`.
+
+DeepSpeed JIT-compiles C++ ops with g++ (and nvcc) on first use. Two are on
+the path of a plain training run and none is needed by it:
+
+- the shared-memory all-reduce op, built whenever DeepSpeed wraps a process
+  group (minutes on a CPU). It only serves `inference_all_reduce`, the
+  collective of DeepSpeed's inference-time tensor parallelism; training
+  reduces through torch.distributed. `import_deepspeed` turns its build off.
+- the fused optimizers (FusedAdam, DeepSpeedCPUAdam), built when the config
+  names an optimizer. The engine passes a torch optimizer instead unless asked.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+from gearshift import dist as gdist
+
+
+def import_deepspeed():
+    """`import deepspeed`, with the shared-memory comm op's build switched off; returns the module."""
+    import deepspeed
+    import deepspeed.comm  # noqa: F401
+
+    # `deepspeed.comm.torch` read as an attribute is the torch package (deepspeed.comm star-imports a
+    # module that imports torch): the submodule is only reachable through sys.modules.
+    comm = sys.modules["deepspeed.comm.torch"]
+    comm.build_shm_op = _no_shm_op
+    return deepspeed
+
+
+def _no_shm_op():
+    return None
+
+
+def initialize(module: torch.nn.Module, optimizer: torch.optim.Optimizer | None, config: dict):
+    """`deepspeed.initialize` over gearshift's process group; returns DeepSpeed's engine.
+
+    The group is torchrun's, joined before the engine is built, or one of size 1 made
+    here in a plain process. DeepSpeed asserts that LOCAL_RANK is set even then.
+    """
+    deepspeed = import_deepspeed()
+    gdist.ensure_process_group()
+    forget_destroyed_groups()
+    os.environ.setdefault("LOCAL_RANK", "0")
+    engine, *_ = deepspeed.initialize(model=module, optimizer=optimizer, config=config)
+    return engine
+
+
+def forget_destroyed_groups() -> None:
+    """Drop DeepSpeed's cached process groups when the group they came from was destroyed behind its back.
+
+    DeepSpeed clones the world group once and keeps the clone (and groups made from
+    it) in module globals. When the world group is destroyed with torch's own
+    `destroy_process_group` (a test tearing down its group, a rollout engine closing
+    one), the next `initialize` would use the dead clone ("Group ... is not
+    registered"). DeepSpeed's own destroy releases them; this does the same for a
+    group destroyed elsewhere.
+    """
+    from deepspeed.utils import groups
+
+    cached = groups._WORLD_GROUP
+    if cached is None:
+        return
+    try:
+        torch.distributed.get_process_group_ranks(cached)
+    except (KeyError, ValueError, RuntimeError):  # torch no longer knows the group
+        groups._release_process_group_references(None)
