@@ -1,0 +1,160 @@
+"""Train backend `deepspeed`: DeepSpeed ZeRO stage 1, 2 or 3 over the dp ranks, any `AutoModelForCausalLM`.
+
+It is the core's `ModuleTrainEngine` with DeepSpeed in the sharding hooks:
+`deepspeed.initialize` wraps the model and a torch AdamW, DeepSpeed's engine
+runs backward (accumulating micro-batches the base weighs), clipping, the
+global gradient norm and the step. At stage 1 and 2 every rank holds every
+weight whole, so the weight spec says so and an export is a view of them. At
+stage 3 the weights live as flat partitions with no per-dimension layout: the
+spec again says each weight is whole on every rank, and an export gathers them
+bucket by bucket (`materialized`: `GatheredParameters` on one bucket's
+parameters), so it never holds more than one bucket of gathered weights.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+from gearshift import dist as gdist
+from gearshift.mesh import Placement
+from gearshift.module_train import ModuleTrainEngine
+from gearshift.options import option, parse_dtype
+from gearshift.tags import TRAIN_TAGS, check_tags
+from gearshift.train import TrainArgs
+
+from .checkpoint import load_checkpoint, save_checkpoint
+from .config import deepspeed_config
+from .offload import ZeroOffloader
+from .runtime import import_deepspeed, initialize
+
+
+class DeepSpeedTrainEngine(ModuleTrainEngine):
+    """AdamW under DeepSpeed ZeRO (stage 1: optimizer state partitioned, 2: and gradients, 3: and weights).
+
+    `dtype` is the dtype the weights are loaded in (the fp32 master weights under
+    bf16 mixed precision); `param_dtype` the dtype forward and backward run in.
+    The optimizer is torch's AdamW handed to DeepSpeed, so nothing is compiled;
+    `fused_optimizer` asks for DeepSpeed's own (built with g++/nvcc on first use).
+    """
+
+    requires = ("deepspeed",)
+    install = "pip install gearshift-deepspeed"
+
+    @dataclass(frozen=True)
+    class Options(ModuleTrainEngine.Options):
+        zero_stage: int = option(3, "ZeRO stage: 1 partitions optimizer state, 2 also gradients, 3 also weights",
+                                 choices=(1, 2, 3))
+        param_dtype: str | None = option(None, "compute dtype: bfloat16 (DeepSpeed keeps fp32 master weights) or "
+                                               "float32 (None: bfloat16 on a GPU that supports it, else dtype)")
+        offload_optimizer: bool = option(False, "DeepSpeed's ZeRO-Offload: optimizer state in host memory, the "
+                                                "step on the CPU")
+        offload_params: bool = option(False, "DeepSpeed's ZeRO-Offload of the weight partitions to host memory "
+                                             "(zero_stage=3)")
+        fused_optimizer: bool = option(False, "DeepSpeed's own AdamW (FusedAdam on a GPU, DeepSpeedCPUAdam with "
+                                              "offload_optimizer), compiled on first use: minutes")
+        config: dict = option({}, "DeepSpeed config keys merged over the engine's own (nested dicts key by key)")
+
+    def __init__(self, args: TrainArgs, options: "DeepSpeedTrainEngine.Options | None" = None) -> None:
+        options = options or self.Options()
+        gdist.ensure_process_group(options.device)
+        device = torch.device(options.device) if options.device else gdist.default_device()
+        self.zero_stage = int(options.zero_stage)
+        self.compute_dtype = compute_dtype(options.param_dtype, args.torch_dtype, device)
+        # ZeRO-3's weights exist whole only while gathered: a rollout engine cannot serve from them
+        self.can_lend_weights = self.zero_stage < 3
+        super().__init__(args, options)
+        if self.zero_stage == 3:  # the base read the parameters' local shapes, which are empty at stage 3
+            self._spec = dataclasses.replace(self._spec, params=tuple(
+                dataclasses.replace(p, shape=tuple(self._params[p.name].ds_shape)) for p in self._spec.params))
+        self._offloader = ZeroOffloader(self.ds)
+
+    # --- sharding hooks -------------------------------------------------------------------
+    def _check_mesh(self) -> None:
+        if self.mesh.dp != self.mesh.world_size:
+            raise ValueError(f"the deepspeed backend partitions over dp ranks only, but mesh {self.mesh} has "
+                             f"tp/pp/sp > 1: use mesh dp={self.mesh.world_size}")
+
+    def _parallelize(self, model: torch.nn.Module) -> torch.nn.Module:
+        opts = self.options
+        trainable = [p for p in model.parameters() if p.requires_grad]
+        adamw = dict(lr=self.args.lr, weight_decay=self.args.weight_decay, betas=tuple(opts.betas))
+        config = deepspeed_config(
+            zero_stage=self.zero_stage, max_grad_norm=self.args.max_grad_norm, compute_dtype=self.compute_dtype,
+            offload_params=opts.offload_params, offload_optimizer=opts.offload_optimizer,
+            pin_memory=self.device.type == "cuda", fused_optimizer=adamw if opts.fused_optimizer else None,
+            overrides=opts.config,
+        )
+        optimizer = None if opts.fused_optimizer else torch.optim.AdamW(trainable, **adamw)
+        self.ds = initialize(model, optimizer, config)
+        return self.ds
+
+    def _build_optimizer(self) -> torch.optim.Optimizer:
+        return self.ds.optimizer  # DeepSpeed's ZeRO optimizer around the AdamW given to it
+
+    def _named_parameters(self):
+        return ((n, p) for n, p in self.ds.module.named_parameters() if p.requires_grad)
+
+    def _placement(self, name: str, param: torch.Tensor) -> Placement:
+        return Placement.replicated(self.mesh)  # whole on every rank (at stage 3: while its bucket is gathered)
+
+    def _backward(self, loss: torch.Tensor) -> None:
+        self.ds.backward(loss, scale_wrt_gas=False)  # the base has weighed each micro-batch's loss already
+
+    def _clip_and_step(self) -> float:
+        """DeepSpeed reduces, clips to `max_grad_norm` and steps; the norm is before clipping, over all ranks."""
+        self.ds.step()
+        return float(self.ds.get_global_grad_norm())
+
+    def materialized(self, names: list[str]) -> AbstractContextManager:
+        """At stage 3, the parameters of `names` gathered whole on every rank until the context closes."""
+        if self.zero_stage < 3:
+            return nullcontext()
+        self._need_onloaded(["params"], "export weights")
+        return import_deepspeed().zero.GatheredParameters([self._params[n] for n in names])
+
+    # --- interface ------------------------------------------------------------------------
+    def offload(self, tags: Sequence[str] = TRAIN_TAGS) -> int:
+        """Through DeepSpeed's `offload_states` (see `gearshift_deepspeed.offload`); 0 bytes on a CPU."""
+        return self._offloader.offload(check_tags(tags, TRAIN_TAGS))
+
+    def onload(self, tags: Sequence[str] = TRAIN_TAGS) -> int:
+        return self._offloader.onload(check_tags(tags, TRAIN_TAGS))
+
+    def save(self, path: str) -> None:
+        """DeepSpeed's own checkpoint: every rank writes its partitions; loads at any dp size (see `load`)."""
+        self._need_onloaded(TRAIN_TAGS, "save a checkpoint")
+        save_checkpoint(self.ds, path)
+
+    def load(self, path: str) -> None:
+        """Restore a `save` folder; one written at another dp size goes through a universal checkpoint."""
+        self._need_onloaded(TRAIN_TAGS, "load a checkpoint")
+        load_checkpoint(self.ds, path)
+
+    def close(self) -> None:
+        if getattr(self, "ds", None) is not None and torch.distributed.is_initialized():
+            self.ds.destroy()  # its hooks and buffers (it logs through the group: skipped once that is gone)
+        self.ds = None
+        super().close()
+
+    def _need_onloaded(self, tags: Sequence[str], action: str) -> None:
+        away = [t for t in tags if t in self._offloader.away] if hasattr(self, "_offloader") else []
+        if away:
+            raise RuntimeError(f"cannot {action}: {away} are offloaded to host memory; call onload({away}) first")
+
+
+def compute_dtype(param_dtype: str | None, dtype: torch.dtype, device: torch.device) -> torch.dtype:
+    """The dtype forward and backward run in: `param_dtype`, else bfloat16 on a GPU that has it, else `dtype`."""
+    if param_dtype is not None:
+        chosen = parse_dtype(param_dtype)
+    elif device.type == "cuda" and torch.cuda.is_bf16_supported():
+        chosen = torch.bfloat16
+    else:
+        chosen = dtype
+    if dtype == torch.bfloat16 and chosen != torch.bfloat16:
+        raise ValueError(f"weights loaded in bfloat16 cannot compute in {chosen}: load them in float32 "
+                         f"(dtype='float32') or compute in bfloat16")
+    return chosen

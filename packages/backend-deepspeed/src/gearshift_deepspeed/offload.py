@@ -1,0 +1,113 @@
+"""Moving ZeRO's state to host memory and back, by gearshift's tags, through DeepSpeed's `offload_states`.
+
+Each tag is a set of DeepSpeed's state kinds:
+
+| tag | DeepSpeed states | what they are |
+| --- | --- | --- |
+| params | lp_params | the weights forward reads (bf16 under mixed precision; this rank's partition at ZeRO-3) |
+| grads | lp_grads, contiguous_grad_buffer | reduced gradient partitions, the reduction buckets |
+| optimizer | hp_params, optim_states | fp32 master partitions, Adam's moments |
+
+DeepSpeed moves each kind with the buffers only it knows about (flat groups,
+pinned staging copies, caches), and `reload_states` brings back everything it
+moved. Where DeepSpeed refuses a kind (ZeRO-3 moves master weights and Adam
+state only for its FusedAdam; nothing moves while it offloads parameters itself),
+the tensors behind it go to a `HostStash` instead: storages copied out and freed
+in place, so the optimizer keeps the same tensor objects. Either way the round
+trip is bit-exact. Bytes are what leaves (or returns to) the device: on a CPU
+the state already lives in host memory, DeepSpeed's bookkeeping runs but copies
+nothing, and the count is 0.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+from gearshift.offload import HostStash
+
+TAG_STATES: dict[str, tuple[str, ...]] = {
+    "params": ("lp_params",),
+    "grads": ("lp_grads", "contiguous_grad_buffer"),
+    "optimizer": ("hp_params", "optim_states"),
+}
+
+
+class ZeroOffloader:
+    """Offload and onload of one DeepSpeed engine's state, tag by tag."""
+
+    def __init__(self, engine) -> None:
+        self.engine = engine
+        self.device = torch.device(engine.device)
+        self._away: set[str] = set()
+        self._stashes: dict[str, HostStash] = {}
+
+    @property
+    def away(self) -> set[str]:
+        return set(self._away)
+
+    def offload(self, tags: Sequence[str]) -> int:
+        """Move the state of `tags` (not already away) to host memory; returns device bytes freed."""
+        new = [t for t in tags if t not in self._away]
+        if not new:
+            return 0
+        before = self._allocated()
+        kinds = [k for t in new for k in TAG_STATES[t] if self._deepspeed_moves(k)]
+        if kinds:
+            self._offload_states(kinds)
+        for tag in new:
+            stash = HostStash()
+            stash.offload(t for k in TAG_STATES[tag] if not self._deepspeed_moves(k)
+                          for t in self._tensors(k) if t.device.type != "cpu")
+            self._stashes[tag] = stash
+        self._away.update(new)
+        return max(before - self._allocated(), 0)
+
+    def onload(self, tags: Sequence[str]) -> int:
+        """Bring the state of `tags` back to the device bit-exactly; returns device bytes restored."""
+        back = [t for t in tags if t in self._away]
+        if not back:
+            return 0
+        before = self._allocated()
+        staying = [k for t in self._away - set(back) for k in TAG_STATES[t] if self._deepspeed_moves(k)]
+        if any(self._deepspeed_moves(k) for t in back for k in TAG_STATES[t]):
+            self.engine.reload_states()  # everything DeepSpeed moved comes back: send the rest away again
+            if staying:
+                self._offload_states(staying)
+        for tag in back:
+            self._stashes.pop(tag).restore()
+        self._away.difference_update(back)
+        return max(self._allocated() - before, 0)
+
+    # --- DeepSpeed's side -----------------------------------------------------------------
+    def _deepspeed_moves(self, kind: str) -> bool:
+        """Whether DeepSpeed's `offload_states` moves this kind of state for this engine."""
+        offload_param = self.engine.zero_offload_param()
+        if offload_param is not None and str(getattr(offload_param.device, "value", offload_param.device)) != "none":
+            return False  # "Moving states across devices is not supported for offloaded parameters"
+        if self.engine.zero_optimization_stage() == 3 and kind in ("hp_params", "optim_states"):
+            return type(self.engine.optimizer.optimizer).__name__ == "FusedAdam"
+        return True
+
+    def _offload_states(self, kinds: list[str]) -> None:
+        from deepspeed.runtime.zero.offload_config import OffloadDeviceEnum, OffloadStateTypeEnum
+
+        # pinned staging buffers make the copy back a DMA; on a CPU there is nothing to stage
+        self.engine.offload_states(include=[OffloadStateTypeEnum(k) for k in kinds], device=OffloadDeviceEnum.cpu,
+                                   pin_memory=self.device.type == "cuda", non_blocking=False)
+
+    def _tensors(self, kind: str) -> list[torch.Tensor]:
+        """The tensors behind a kind DeepSpeed will not move (the optimizer's, at ZeRO-3)."""
+        zero = self.engine.optimizer
+        if kind == "hp_params":
+            flat = getattr(zero, "fp32_partitioned_groups_flat", None)
+            return list(flat if flat is not None else zero.single_partition_of_fp32_groups)
+        if kind == "optim_states":
+            return [v for st in zero.optimizer.state.values() for v in st.values() if torch.is_tensor(v)]
+        return []  # the weights and gradient buffers stay where DeepSpeed keeps them
+
+    def _allocated(self) -> int:
+        if self.device.type != "cuda":
+            return 0
+        torch.cuda.synchronize(self.device)
+        return torch.cuda.memory_allocated(self.device)
