@@ -26,9 +26,11 @@ class TestFSDPTrain(TrainEngineSuite):
 class TestFSDPWithHFRollout(PairSuite):
     train_backend, rollout_backend = FSDPTrainEngine, HFRolloutEngine
     @pytest.fixture(scope="class")
-    def train_engine(self, gearshift_model):
+    @classmethod
+    def train_engine(cls, gearshift_model):
         return FSDPTrainEngine.build(gearshift_model, lr=1e-2, **OPTIONS)
 
     @pytest.fixture(scope="class")
-    def rollout_engine(self, gearshift_model):
+    @classmethod
+    def rollout_engine(cls, gearshift_model):
         return HFRolloutEngine.build(gearshift_model)

@@ -18,7 +18,8 @@ class TestVLLMRollout(RolloutEngineSuite):
 class TestTorchVLLMPair(PairSuite):
     train_backend, rollout_backend = TorchTrainEngine, VLLMRolloutEngine
     @pytest.fixture(scope="class")
-    def train_engine(self, gearshift_model):
+    @classmethod
+    def train_engine(cls, gearshift_model):
         return TorchTrainEngine.build(gearshift_model, lr=1e-2)
 
     @pytest.fixture

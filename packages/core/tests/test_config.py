@@ -1,35 +1,64 @@
 import pytest
 
-from gearshift.rl.config import Config, ConfigError, load_config, parse_overrides
-
-
-def test_overrides_are_typed_and_nested():
-    assert parse_overrides(["a.b=1", "c=x", "d.e=[1, 2]", "f=true"]) == {"a": {"b": 1}, "c": "x", "d": {"e": [1, 2]}, "f": True}
-    with pytest.raises(ConfigError, match="section.key=value"):
-        parse_overrides(["nonsense"])
+from gearshift.rl.config import Config, ConfigError, build_config, load_config
 
 
 def test_yaml_then_overrides(tmp_path):
     f = tmp_path / "c.yaml"
     f.write_text("algorithm:\n  name: ppo\nrollout:\n  n: 4\n  options: {max_batch_size: 8}\n")
-    cfg = load_config(f, ["rollout.n=6", "train.lr=1e-3", "rollout.options.seed=1"])
+    cfg = load_config(f, ["rollout.n=6", "train.lr=1e-3", "rollout.options.seed=1", "rollout.stop=[\"\\n\", '.']"])
     assert cfg.algorithm.name == "ppo" and cfg.rollout.n == 6 and cfg.train.lr == 1e-3
     assert cfg.rollout.options == {"max_batch_size": 8, "seed": 1}
-    assert isinstance(cfg.train.lr, float)
+    assert cfg.rollout.stop == ["\n", "."]
+    assert isinstance(cfg.train.lr, float) and isinstance(cfg, Config)
 
 
-def test_unknown_keys_and_wrong_types_name_the_key():
-    with pytest.raises(ConfigError, match=r"unknown key\(s\) \['lrr'\] in train"):
+def test_values_interpolate_other_keys(tmp_path):
+    f = tmp_path / "c.yaml"
+    f.write_text("run:\n  output_dir: runs/${algorithm.name}-${run.seed}\n")
+    assert load_config(f, ["algorithm.name=ppo", "run.seed=3"]).run.output_dir == "runs/ppo-3"
+
+
+def test_unknown_keys_and_wrong_types_name_the_key_and_where_it_came_from(tmp_path):
+    with pytest.raises(ConfigError, match=r"override 'train.lrr=1': unknown key 'lrr' in train; known: \[.*'lr'"):
         load_config(None, ["train.lrr=1"])
-    with pytest.raises(ConfigError, match="rollout.n='many': expected int"):
+    with pytest.raises(ConfigError, match=r"override 'rollout.n=many': rollout.n: .*'many'"):
         load_config(None, ["rollout.n=many"])
     with pytest.raises(ConfigError, match="does not exist"):
         load_config("/no/such.yaml")
+    f = tmp_path / "typo.yaml"
+    f.write_text("run:\n  stepz: 3\n")
+    with pytest.raises(ConfigError, match=rf"{f}: unknown key 'stepz' in run"):
+        load_config(f)
+
+
+def test_malformed_yaml_names_file_line_and_column(tmp_path):
+    f = tmp_path / "bad.yaml"
+    f.write_text("run:\n  steps: 3\n  seed: [1, 2\nmodel: {}\n")
+    with pytest.raises(ConfigError, match=rf"{f}:\d+:\d+: not valid YAML"):
+        load_config(f)
+    f.write_text("- just\n- a list\n")
+    with pytest.raises(ConfigError, match="top level must be a mapping"):
+        load_config(f)
+    with pytest.raises(ConfigError, match=r"override 'rollout.stop=\[1, 2': the value is not valid YAML"):
+        load_config(None, ["rollout.stop=[1, 2"])
+    with pytest.raises(ConfigError, match="section.key=value"):
+        load_config(None, ["nonsense"])
+
+
+def test_the_cli_exits_2_on_a_malformed_file_and_names_it(tmp_path, capsys):
+    from gearshift.cli import main
+
+    f = tmp_path / "bad.yaml"
+    f.write_text("run: {steps: 3\n")
+    assert main(["train", str(f)]) == 2
+    err = capsys.readouterr().err
+    assert f"{f}:" in err and "not valid YAML" in err and "Traceback" not in err
 
 
 def test_validation_lists_what_to_change():
     cfg = load_config(None, ["run.prompts_per_step=3", "rollout.n=4", "train.mini_batch_size=5",
-                             "train.mesh=dp=4", "algorithm.name=grpo"])
+                             "train.mesh=dp=4", "algorithm.name=grpo", "rollout.top_p=2", "switch.offload=[gradz]"])
     with pytest.raises(ConfigError) as err:
         cfg.validate(world_size=2)
     text = str(err.value)
@@ -37,6 +66,13 @@ def test_validation_lists_what_to_change():
     assert "must be a multiple of rollout.n=4" in text
     assert "prompts_per_step=3 must divide evenly over 2 ranks" in text
     assert "train.mesh" in text and "world has 2" in text
+    assert "top_p=2.0 must be in (0, 1]" in text  # sampling is checked before any engine is built
+    assert "unknown tags ['gradz']" in text
+
+
+def test_prompt_and_completion_must_fit_the_context():
+    with pytest.raises(ConfigError, match=r"max_prompt_len=64 \+ rollout.max_tokens=100 is more than the context of 128"):
+        load_config(None, ["rollout.max_tokens=100", "rollout.max_model_len=128"]).validate()
 
 
 def test_grpo_needs_groups_and_kl_in_reward_needs_token_rewards():
@@ -45,3 +81,19 @@ def test_grpo_needs_groups_and_kl_in_reward_needs_token_rewards():
     with pytest.raises(ConfigError, match="kl_in=reward"):
         load_config(None, ["algorithm.kl_in=reward", "algorithm.kl_coef=0.1"]).validate()
     Config().validate()
+
+
+def test_the_task_picks_its_reward_and_a_dataset_needs_one():
+    assert load_config(None, ["data.task=reverse"]).reward.resolved(Config().data) == "gearshift.rl.rewards:numeric_match"
+    cfg = load_config(None, ["data.task=reverse"])
+    assert cfg.reward.resolved(cfg.data) == "gearshift.rl.rewards:exact_match"
+    with pytest.raises(ConfigError, match="reward.fn is not set"):
+        load_config(None, ["data.path=rows.jsonl"]).validate()
+    load_config(None, ["data.path=rows.jsonl"]).validate(reward_given=True)
+
+
+def test_python_sections_merge_like_overrides():
+    cfg = build_config(None, {"run": {"steps": 7}, "rollout": {"backend": "hf"}})
+    assert cfg.run.steps == 7 and cfg.rollout.backend == "hf" and cfg.train.backend == "fsdp"
+    with pytest.raises(ConfigError, match="unknown key 'stepz' in run"):
+        build_config(None, {"run": {"stepz": 7}})

@@ -29,7 +29,8 @@ class TestTorchTrain(TrainEngineSuite):
 class TestTorchHFPair(PairSuite):
     train_backend, rollout_backend = TorchTrainEngine, HFRolloutEngine
     @pytest.fixture(scope="class")
-    def train_engine(self, gearshift_model):
+    @classmethod
+    def train_engine(cls, gearshift_model):
         return TorchTrainEngine.build(gearshift_model, lr=1e-2)
 
     @pytest.fixture

@@ -58,6 +58,23 @@ def import_vllm():
     return vllm
 
 
+def check_architecture(vllm, config) -> None:
+    """Refuse, before vLLM starts, a model it would only run through its Transformers fallback.
+
+    That fallback keeps no weight layout of its own that `load_weights` writes in place,
+    and a failed start leaves vLLM's process-wide config unset, which breaks every later
+    engine in the process ("Current vLLM config is not set").
+    """
+    archs = list(getattr(config, "architectures", None) or [])
+    entries = [vllm.ModelRegistry.models.get(a) for a in archs]
+    native = [a for a, e in zip(archs, entries) if e is not None and not e.module_name.endswith(".transformers")]
+    if not native:
+        raise ValueError(
+            f"vLLM {vllm.__version__} has no implementation of its own for {archs or 'this model'} (it would run "
+            f"it through its Transformers fallback, which the vllm backend does not support): pick another "
+            f"rollout backend for this model, e.g. rollout.backend=hf")
+
+
 class VLLMRolloutEngine(RolloutEngine):
     """vLLM generation with raw per-token logprobs; weights streamed in place, no disk."""
 
@@ -130,6 +147,7 @@ class VLLMRolloutEngine(RolloutEngine):
                        cache_paths(self.cache_dir)["tmp"]) as host:
             vllm = import_vllm()
             self._vllm = vllm
+            check_architecture(vllm, config)
             if self.cpu_weights == "plain":
                 kwargs["load_format"] = register_plain_loader()
             self._llm = vllm.LLM(**kwargs)

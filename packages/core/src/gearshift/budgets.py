@@ -19,6 +19,13 @@ class Budget:
     overhead_s: float
     m: float
 
+    def __post_init__(self) -> None:
+        if self.m < 1.0:
+            raise ValueError(f"budget m={self.m}: the streaming sync may not be slower than the naive file round "
+                             f"trip it is measured against; m must be >= 1")
+        if self.k <= 0 or self.overhead_s < 0:
+            raise ValueError(f"budget k={self.k}, overhead_s={self.overhead_s}: k must be > 0 and overhead_s >= 0")
+
     def limit(self, copy_s: float, engine_load_s: float) -> float:
         return self.k * max(copy_s, engine_load_s) + self.overhead_s
 

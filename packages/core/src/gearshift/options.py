@@ -200,7 +200,9 @@ def coerce(value: Any, kind: Any, what: str) -> Any:
             try:
                 return coerce(value, option_type, what)
             except OptionError as err:
-                errors.append(str(err))
+                errors.append(err)
+        if len(errors) == 1:  # `X | None`: what X said is the most precise
+            raise errors[0]
         raise OptionError(f"{what} = {value!r}: expected {_type_name(kind)}")
     if origin is typing.Literal:
         if value in params:

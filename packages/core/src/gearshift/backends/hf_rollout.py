@@ -123,22 +123,25 @@ class HFRolloutEngine(RolloutEngine):
         if "weights" in self._asleep:
             raise RolloutError("the engine's weights are asleep: call wake(['weights']) before updating them")
         handed, applied = 0, 0
-        for bucket in buckets:
-            try:
-                tensors = self._spec.check(bucket.tensors, gdist.rank())
+        try:
+            for bucket in buckets:
+                try:
+                    tensors = self._spec.check(bucket.tensors, gdist.rank())
+                    for name, tensor in tensors.items():
+                        if not tensor.is_floating_point():
+                            raise WeightError(f"weight {name!r} has dtype {tensor.dtype}: floating-point tensors only")
+                except WeightError as err:
+                    raise WeightError(f"{err} ({applied} weights from the buckets before it were applied)") from err
+                if self._borrowed:  # writing in place would write into the lender's tensors
+                    for name in self._borrowed:
+                        self._params[name].data = self._params[name].data.clone()
+                    self._borrowed.clear()
                 for name, tensor in tensors.items():
-                    if not tensor.is_floating_point():
-                        raise WeightError(f"weight {name!r} has dtype {tensor.dtype}: floating-point tensors only")
-            except WeightError as err:
-                raise WeightError(f"{err} ({applied} weights from the buckets before it were applied)") from err
-            if self._borrowed:  # writing in place would write into the lender's tensors
-                for name in self._borrowed:
-                    self._params[name].data = self._params[name].data.clone()
-                self._borrowed.clear()
-            for name, tensor in tensors.items():
-                self._params[name].copy_(tensor)
-            handed += bucket.nbytes
-            applied += len(tensors)
+                    self._params[name].copy_(tensor)
+                handed += bucket.nbytes
+                applied += len(tensors)
+        finally:
+            self.reset_cache()
         return handed
 
     @torch.no_grad()
@@ -162,6 +165,7 @@ class HFRolloutEngine(RolloutEngine):
 
     def sleep(self, tags: Sequence[str] = ("weights", "kv_cache")) -> None:
         """Weights are dropped (the next sync refills them); generate keeps no KV cache between calls."""
+        self.reset_cache()
         for tag in self._tags(tags):
             if tag == "weights" and tag not in self._asleep:
                 for p in self._params.values():

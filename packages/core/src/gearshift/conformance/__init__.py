@@ -10,7 +10,8 @@ fixtures:
         rollout_backend = MyEngine
 
         @pytest.fixture(scope="class")
-        def rollout_engine(self, gearshift_model):
+        @classmethod
+        def rollout_engine(cls, gearshift_model):
             return MyEngine.build(gearshift_model)
 
 `gearshift_model` (a tiny fp32 model folder built locally, once per session)

@@ -69,7 +69,8 @@ class TestPair(PairSuite):
     backends_from_options = True
 
     @pytest.fixture(scope="class")
-    def train_engine(self, named_train_factory):
+    @classmethod
+    def train_engine(cls, named_train_factory):
         return named_train_factory(lr=1e-2)
 
     @pytest.fixture

@@ -5,6 +5,10 @@ and the folder loads through `AutoModelForCausalLM` / `AutoTokenizer` exactly
 as a user's model would, in every engine.
 
     path = build_model("/tmp/tiny", preset="tiny", arch="qwen2")
+
+A preset is a size (`tiny`, `small`, ...); `arch` picks one of the decoder
+architectures transformers ships (`ARCHS`), each configured to that size with
+its own parameter names.
 """
 
 from __future__ import annotations
@@ -18,7 +22,6 @@ CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
-ARCHS = ("qwen2", "llama")
 
 
 def tiny() -> dict:
@@ -67,20 +70,64 @@ def build_tokenizer(path: str | os.PathLike):
     return fast
 
 
+def _without(shape: dict, *keys: str) -> dict:
+    return {k: v for k, v in shape.items() if k not in keys}
+
+
+def _gpt(shape: dict, **extra) -> dict:
+    """GPT-2-style names (n_embd, n_layer, ...)."""
+    return dict(n_embd=shape["hidden_size"], n_inner=shape["intermediate_size"], n_layer=shape["num_hidden_layers"],
+                n_head=shape["num_attention_heads"], n_positions=shape["max_position_embeddings"],
+                vocab_size=shape["vocab_size"], **extra)
+
+
+#: architecture -> (transformers config class, the preset's shape in that config's names)
+ARCHS: dict[str, tuple[str, object]] = {
+    "qwen2": ("Qwen2Config", lambda s: dict(s, rope_theta=10000.0, rms_norm_eps=1e-6)),
+    "llama": ("LlamaConfig", lambda s: dict(s, rms_norm_eps=1e-6)),
+    "mistral": ("MistralConfig", lambda s: dict(s, rms_norm_eps=1e-6, sliding_window=None)),
+    "qwen3": ("Qwen3Config", lambda s: dict(s, rms_norm_eps=1e-6)),
+    "granite": ("GraniteConfig", lambda s: dict(s, rms_norm_eps=1e-6)),
+    "cohere": ("CohereConfig", lambda s: dict(s)),
+    "gemma": ("GemmaConfig", lambda s: dict(s, rms_norm_eps=1e-6)),
+    "gemma2": ("Gemma2Config", lambda s: dict(s, rms_norm_eps=1e-6, query_pre_attn_scalar=s["head_dim"],
+                                              sliding_window=256)),
+    "gemma3": ("Gemma3TextConfig", lambda s: dict(s, rms_norm_eps=1e-6, query_pre_attn_scalar=s["head_dim"],
+                                                  sliding_window=256)),
+    "phi3": ("Phi3Config", lambda s: dict(_without(s, "head_dim"),
+                                          original_max_position_embeddings=s["max_position_embeddings"])),
+    "phi": ("PhiConfig", lambda s: dict(_without(s, "head_dim"), partial_rotary_factor=0.5)),
+    "stablelm": ("StableLmConfig", lambda s: dict(_without(s, "head_dim"), partial_rotary_factor=0.25)),
+    "gpt2": ("GPT2Config", lambda s: _gpt(s)),
+    "gptj": ("GPTJConfig", lambda s: _gpt(s, rotary_dim=s["head_dim"] // 2)),
+    "opt": ("OPTConfig", lambda s: dict(hidden_size=s["hidden_size"], ffn_dim=s["intermediate_size"],
+                                        num_hidden_layers=s["num_hidden_layers"],
+                                        num_attention_heads=s["num_attention_heads"],
+                                        max_position_embeddings=s["max_position_embeddings"],
+                                        vocab_size=s["vocab_size"], word_embed_proj_dim=s["hidden_size"])),
+    "bloom": ("BloomConfig", lambda s: dict(hidden_size=s["hidden_size"], n_layer=s["num_hidden_layers"],
+                                            n_head=s["num_attention_heads"], vocab_size=s["vocab_size"],
+                                            max_position_embeddings=s["max_position_embeddings"])),
+    "falcon": ("FalconConfig", lambda s: dict(hidden_size=s["hidden_size"], num_hidden_layers=s["num_hidden_layers"],
+                                              num_attention_heads=s["num_attention_heads"], num_kv_heads=1,
+                                              new_decoder_architecture=False, multi_query=True, parallel_attn=True,
+                                              alibi=False, bias=False, vocab_size=s["vocab_size"],
+                                              max_position_embeddings=s["max_position_embeddings"])),
+}
+
+
 def _config(arch: str, shape: dict, tokenizer, dtype: str):
-    from transformers import LlamaConfig, Qwen2Config
+    import transformers
 
     if arch not in ARCHS:
-        raise ValueError(f"unknown architecture {arch!r}; choose from {ARCHS}")
+        raise ValueError(f"unknown architecture {arch!r}; choose from {', '.join(ARCHS)}")
     if shape["vocab_size"] < len(tokenizer):
         raise ValueError(f"vocab_size {shape['vocab_size']} is smaller than the tokenizer's {len(tokenizer)}")
-    common = dict(
-        shape, bos_token_id=tokenizer.eos_token_id, eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id, tie_word_embeddings=True, rms_norm_eps=1e-6, dtype=dtype,
+    class_name, names = ARCHS[arch]
+    return getattr(transformers, class_name)(
+        **names(shape), bos_token_id=tokenizer.eos_token_id, eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id, tie_word_embeddings=True, dtype=dtype,
     )
-    if arch == "qwen2":
-        return Qwen2Config(**common, rope_theta=10000.0)
-    return LlamaConfig(**common)
 
 
 def build_model(path: str | os.PathLike, preset: str | dict = "tiny", arch: str = "qwen2", seed: int = 0,

@@ -1,11 +1,14 @@
 """Resumable run checkpoints: engines, loop state and every rank's RNG, marked complete only when whole.
 
 A run killed while writing leaves a folder without the `COMPLETE` marker,
-which `latest` skips, so resuming never starts from half a checkpoint.
+which `latest` skips, so resuming never starts from half a checkpoint. The
+loop state is JSON and the RNG states are tensors in safetensors files:
+reading a checkpoint runs no code from it.
 """
 
 from __future__ import annotations
 
+import json
 import random
 import shutil
 from pathlib import Path
@@ -19,18 +22,28 @@ from ..train import TrainEngine
 MARKER = "COMPLETE"
 
 
-def rng_state() -> dict[str, Any]:
-    state = {"python": random.getstate(), "torch": torch.get_rng_state()}
+def save_rng_state(path: Path) -> None:
+    """Python's, torch's and every CUDA device's generator state, as tensors in a safetensors file."""
+    from safetensors.torch import save_file
+
+    version, words, gauss = random.getstate()
+    tensors = {"python": torch.tensor(words, dtype=torch.int64), "torch": torch.get_rng_state()}
     if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
+        tensors.update({f"cuda{i}": s for i, s in enumerate(torch.cuda.get_rng_state_all())})
+    save_file(tensors, str(path), metadata={"python_version": str(version), "python_gauss": json.dumps(gauss)})
 
 
-def set_rng_state(state: Mapping[str, Any]) -> None:
-    random.setstate(state["python"])
-    torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+def load_rng_state(path: Path) -> None:
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt") as f:
+        meta = f.metadata()
+        tensors = {k: f.get_tensor(k) for k in f.keys()}
+    random.setstate((int(meta["python_version"]), tuple(tensors["python"].tolist()), json.loads(meta["python_gauss"])))
+    torch.set_rng_state(tensors["torch"])
+    cuda = [tensors[f"cuda{i}"] for i in range(len(tensors)) if f"cuda{i}" in tensors]
+    if cuda and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(cuda)
 
 
 def latest(root: str | Path) -> Path | None:
@@ -50,9 +63,9 @@ def save(root: str | Path, step: int, engines: Mapping[str, TrainEngine], state:
     for name, engine in engines.items():
         engine.save(str(path / name))
     path.mkdir(parents=True, exist_ok=True)
-    torch.save(rng_state(), path / f"rng_rank{rank}.pt")
+    save_rng_state(path / f"rng_rank{rank}.safetensors")
     if rank == 0:
-        torch.save(dict(state), path / "loop_state.pt")
+        (path / "loop_state.json").write_text(json.dumps(dict(state), indent=1))
     gdist.barrier()
     if rank == 0:
         (path / MARKER).write_text(str(step))
@@ -71,7 +84,7 @@ def load(path: str | Path, engines: Mapping[str, TrainEngine]) -> dict[str, Any]
         raise FileNotFoundError(f"{path} is not a complete checkpoint (no {MARKER} marker)")
     for name, engine in engines.items():
         engine.load(str(path / name))
-    rng_file = path / f"rng_rank{gdist.rank()}.pt"
-    if rng_file.exists():
-        set_rng_state(torch.load(rng_file, weights_only=False))
-    return torch.load(path / "loop_state.pt", weights_only=False)
+    rng_file = path / f"rng_rank{gdist.rank()}.safetensors"
+    if rng_file.exists():  # a rank the writing run did not have starts from its own seed
+        load_rng_state(rng_file)
+    return json.loads((path / "loop_state.json").read_text())

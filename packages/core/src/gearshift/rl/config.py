@@ -1,15 +1,17 @@
-"""Run configuration: typed dataclasses are the one source of truth.
+"""Run configuration: typed dataclasses are the one source of truth, filled through OmegaConf.
 
 A YAML file fills them, then dotted overrides from the command line
-(`rollout.backend=vllm train.lr=1e-5`); `validate()` checks everything up
-front and says what to change.
+(`rollout.backend=vllm train.lr=1e-5`); values may interpolate others
+(`run.output_dir: runs/${algorithm.name}`). OmegaConf checks names and types as
+it merges; `validate()` then checks what spans fields, up front, and says what
+to change. Every error names the file (with line and column), the override or
+the key it comes from.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import os
-import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -23,6 +25,7 @@ class ConfigError(ValueError):
 class ModelConfig:
     path: str = "small-add"  # a folder, or a preset built locally ('tiny', 'small', 'small-add', ...)
     dtype: str = "float32"
+    dropout: bool = False  # train with the model's dropout; off by default: an on-policy update with it is off-policy
 
 
 @dataclass
@@ -44,8 +47,9 @@ class RolloutConfig:
     top_k: int = 0
     max_tokens: int = 4
     stop: list[str] = field(default_factory=list)
+    max_model_len: int | None = None  # context of the rollout engine; None: the model's own
     mesh: str = ""  # e.g. 'dp=2'; empty: dp = world size
-    options: dict[str, Any] = field(default_factory=dict)  # passed to the engine
+    options: dict[str, Any] = field(default_factory=dict)  # the engine's own options ('gearshift backends NAME')
 
 
 @dataclass
@@ -57,7 +61,17 @@ class TrainConfig:
     mini_batch_size: int = 0  # sequences per optimizer step; 0: the whole batch in one step
     micro_batch_size: int = 0  # sequences per forward/backward; 0: the whole mini-batch
     mesh: str = ""
-    options: dict[str, Any] = field(default_factory=dict)
+    options: dict[str, Any] = field(default_factory=dict)  # the engine's own options ('gearshift backends NAME')
+
+
+@dataclass
+class SwitchConfig:
+    resharder: str = "stream"  # a reshard backend ('gearshift backends --kind reshard')
+    share: str = "auto"  # auto | on | off: serve rollout from the trainer's tensors when the pair can
+    bucket_mb: int = 128  # weights travel in buckets of about this many MiB
+    offload: list[str] = field(default_factory=lambda: ["optimizer", "grads"])  # train state moved to host
+    offload_params: bool = False  # also move the trained weights to host during rollout (turns sharing off)
+    options: dict[str, Any] = field(default_factory=dict)  # more resharder options
 
 
 @dataclass
@@ -82,7 +96,13 @@ class AlgorithmConfig:
 
 @dataclass
 class RewardConfig:
-    fn: str = "gearshift.rl.rewards:numeric_match"  # 'module:fn' or 'path/to/file.py:fn'
+    fn: str | None = None  # 'module:fn' or 'path/to/file.py:fn'; None: the built-in task's own reward
+
+    def resolved(self, data: "DataConfig") -> str:
+        """The reward to load: `fn`, or the one that grades the built-in task (`validate` checks there is one)."""
+        from .tasks import TASK_REWARDS
+
+        return self.fn or TASK_REWARDS[data.task]
 
 
 @dataclass
@@ -107,6 +127,7 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    switch: SwitchConfig = field(default_factory=SwitchConfig)
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
     run: RunConfig = field(default_factory=RunConfig)
@@ -114,12 +135,47 @@ class Config:
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
 
-    def validate(self, world_size: int = 1) -> "Config":
-        """Raise `ConfigError` listing every problem and what to change."""
+    def to_yaml(self) -> str:
+        from omegaconf import OmegaConf
+
+        return OmegaConf.to_yaml(OmegaConf.structured(self))
+
+    def validate(self, world_size: int = 1, *, reward_given: bool = False) -> "Config":
+        """Raise `ConfigError` listing every problem and what to change (`reward_given`: a reward function
+        comes with the run, so `reward.fn` may stay unset)."""
         from ..mesh import MeshError, MeshSpec
+        from ..rollout import RolloutError, SamplingParams
+        from ..tags import TRAIN_TAGS
+        from .tasks import TASKS
 
         problems: list[str] = []
-        a, r, t, run = self.algorithm, self.rollout, self.train, self.run
+        a, r, t, run, sw = self.algorithm, self.rollout, self.train, self.run, self.switch
+        try:
+            self.sampling()
+        except RolloutError as err:
+            problems.append(f"rollout: {err}")
+        if r.max_model_len is not None and r.max_model_len < 1:
+            problems.append(f"rollout.max_model_len={r.max_model_len} must be >= 1 (or null: the model's own)")
+        elif r.max_model_len is not None and self.data.max_prompt_len + r.max_tokens > r.max_model_len:
+            problems.append(self.context_problem(r.max_model_len))
+        if self.data.max_prompt_len < 1:
+            problems.append(f"data.max_prompt_len={self.data.max_prompt_len} must be >= 1")
+        if not self.data.path and self.data.task not in TASKS:
+            problems.append(f"data.task={self.data.task!r}: built-in tasks are {', '.join(TASKS)} "
+                            f"(or set data.path to a jsonl/parquet file)")
+        if self.data.path and not self.reward.fn and not reward_given:
+            problems.append("reward.fn is not set: a dataset (data.path) needs a reward, e.g. "
+                            "reward.fn=my_rewards.py:score")
+        if sw.share not in ("auto", "on", "off"):
+            problems.append(f"switch.share={sw.share!r}: use auto, on or off")
+        if sw.bucket_mb < 1:
+            problems.append(f"switch.bucket_mb={sw.bucket_mb} must be >= 1")
+        unknown_tags = [tag for tag in sw.offload if tag not in TRAIN_TAGS]
+        if unknown_tags:
+            problems.append(f"switch.offload={sw.offload}: unknown tags {unknown_tags}; use any of {list(TRAIN_TAGS)}")
+        if sw.share == "on" and sw.offload_params:
+            problems.append("switch.share=on with switch.offload_params=true: the rollout engine would read "
+                            "weights that were moved away; drop one")
         if a.name not in ("grpo", "ppo"):
             problems.append(f"algorithm.name={a.name!r}: use 'grpo' or 'ppo'")
         if a.name == "grpo" and r.n < 2:
@@ -160,86 +216,113 @@ class Config:
             raise ConfigError("the configuration cannot run:\n  - " + "\n  - ".join(problems))
         return self
 
+    def sampling(self, seed: int | None = None):
+        """The rollout section as `SamplingParams` (raises `RolloutError` on bad values)."""
+        from ..rollout import SamplingParams
 
-def _coerce(value: Any, kind: Any, key: str) -> Any:
-    origin = typing.get_origin(kind)
-    args = typing.get_args(kind)
-    if origin is typing.Union or (origin is not None and type(None) in args):
-        if value is None:
+        r = self.rollout
+        return SamplingParams(n=r.n, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
+                              max_tokens=r.max_tokens, stop=tuple(r.stop), seed=seed)
+
+    def context_problem(self, context: int) -> str:
+        return (f"data.max_prompt_len={self.data.max_prompt_len} + rollout.max_tokens={self.rollout.max_tokens} "
+                f"is more than the context of {context} tokens: a long prompt would leave its completion cut "
+                f"short; lower one of them (or raise rollout.max_model_len, if the model allows)")
+
+
+def _config_error(err: Exception, where: str) -> ConfigError:
+    """An OmegaConf error as a `ConfigError` naming the key and where the value came from."""
+    from omegaconf.errors import ConfigKeyError
+
+    key = getattr(err, "full_key", None) or ""
+    message = str(getattr(err, "msg", None) or err).splitlines()[0]
+    if isinstance(err, ConfigKeyError) and key:
+        section, _, name = key.rpartition(".")
+        node = _section(section)
+        known = sorted(f.name for f in dataclasses.fields(node)) if node else []
+        return ConfigError(f"{where}: unknown key {name!r} in {section or 'the top level'}; known: {known}")
+    return ConfigError(f"{where}: {key + ': ' if key else ''}{message}")
+
+
+def _section(dotted: str):
+    """The dataclass of section `dotted` ('' is `Config`), or None."""
+    import typing
+
+    node = Config
+    for part in filter(None, dotted.split(".")):
+        node = typing.get_type_hints(node).get(part)
+        if not dataclasses.is_dataclass(node):
             return None
-        kind = next(a for a in args if a is not type(None))
-        origin = typing.get_origin(kind)
-    if dataclasses.is_dataclass(kind):
-        if not isinstance(value, dict):
-            raise ConfigError(f"{key} must be a mapping, got {value!r}")
-        return _build(kind, value, key)
-    if kind is float and isinstance(value, (int, float)) and not isinstance(value, bool):
-        return float(value)
-    if kind is float and isinstance(value, str):  # YAML reads '1e-3' (no dot) as a string
-        try:
-            return float(value)
-        except ValueError:
-            pass
-    if kind in (int, str, bool) and type(value) is kind:
-        return value
-    if origin is list and isinstance(value, list):
-        return value
-    if origin is dict and isinstance(value, dict):
-        return value
-    if kind is str and isinstance(value, (int, float)):
-        return str(value)
-    raise ConfigError(f"{key}={value!r}: expected {getattr(kind, '__name__', kind)}")
+    return node
 
 
-def _build(cls, data: dict, prefix: str = ""):
-    hints = typing.get_type_hints(cls)
-    names = {f.name for f in dataclasses.fields(cls)}
-    unknown = sorted(set(data) - names)
-    if unknown:
-        where = prefix or "the top level"
-        raise ConfigError(f"unknown key(s) {unknown} in {where}; known: {sorted(names)}")
-    return cls(**{k: _coerce(v, hints[k], f"{prefix}.{k}".lstrip(".")) for k, v in data.items()})
+def _merge(base, extra, where: str):
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    try:
+        return OmegaConf.merge(base, extra)
+    except OmegaConfBaseException as err:
+        raise _config_error(err, where) from None
 
 
-def parse_overrides(overrides: list[str]) -> dict:
-    """['a.b=1', 'c=x'] -> {'a': {'b': 1}, 'c': 'x'}; values are read as YAML scalars."""
+def _read_yaml(path: str | os.PathLike):
     import yaml
+    from omegaconf import DictConfig, OmegaConf
 
-    out: dict = {}
-    for item in overrides:
-        key, sep, raw = item.partition("=")
-        if not sep or not key:
-            raise ConfigError(f"override {item!r} must look like section.key=value")
-        node = out
-        parts = key.split(".")
-        for part in parts[:-1]:
-            node = node.setdefault(part, {})
-        node[parts[-1]] = yaml.safe_load(raw) if raw != "" else ""
-    return out
+    if not Path(path).is_file():
+        raise ConfigError(f"config file {path} does not exist")
+    try:
+        loaded = OmegaConf.load(path)
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        at = f":{mark.line + 1}:{mark.column + 1}" if mark is not None else ""
+        problem = getattr(err, "problem", None) or str(err).splitlines()[0]
+        raise ConfigError(f"{path}{at}: not valid YAML: {problem}") from None
+    if not isinstance(loaded, DictConfig):
+        raise ConfigError(f"{path}: the top level must be a mapping of sections (model, data, rollout, ...)")
+    return loaded
 
 
-def _merge(base: dict, extra: dict) -> dict:
-    for k, v in extra.items():
-        if isinstance(v, dict) and isinstance(base.get(k), dict) and k != "options":
-            _merge(base[k], v)
-        elif isinstance(v, dict) and isinstance(base.get(k), dict):
-            base[k] = {**base[k], **v}
-        else:
-            base[k] = v
-    return base
+def _parse_override(item: str):
+    import yaml
+    from omegaconf import OmegaConf
+
+    key, sep, _ = item.partition("=")
+    if not sep or not key.strip():
+        raise ConfigError(f"override {item!r} must look like section.key=value")
+    try:
+        return OmegaConf.from_dotlist([item])
+    except yaml.YAMLError as err:
+        problem = getattr(err, "problem", None) or str(err).splitlines()[0]
+        raise ConfigError(f"override {item!r}: the value is not valid YAML: {problem}") from None
+
+
+def _finish(cfg, where: str) -> "Config":
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    try:
+        return OmegaConf.to_object(cfg)
+    except OmegaConfBaseException as err:
+        raise _config_error(err, where) from None
 
 
 def load_config(path: str | os.PathLike | None = None, overrides: list[str] | None = None) -> Config:
-    """Defaults, then the YAML file, then the overrides."""
-    import yaml
+    """Defaults, then the YAML file, then the overrides (each `section.key=value`, the value read as YAML)."""
+    from omegaconf import OmegaConf
 
-    data = Config().to_dict()
+    cfg = OmegaConf.structured(Config)
     if path is not None:
-        if not Path(path).is_file():
-            raise ConfigError(f"config file {path} does not exist")
-        loaded = yaml.safe_load(Path(path).read_text()) or {}
-        if not isinstance(loaded, dict):
-            raise ConfigError(f"{path}: the top level must be a mapping of sections")
-        _merge(data, loaded)
-    _merge(data, parse_overrides(overrides or []))
-    return _build(Config, data)
+        cfg = _merge(cfg, _read_yaml(path), str(path))
+    for item in overrides or []:
+        cfg = _merge(cfg, _parse_override(item), f"override {item!r}")
+    return _finish(cfg, str(path) if path else "the configuration")
+
+
+def build_config(base: Config | None = None, sections: dict[str, Any] | None = None) -> Config:
+    """`base` (default: the defaults) with `sections` merged over it, e.g. {"run": {"steps": 10}}."""
+    from omegaconf import OmegaConf
+
+    cfg = _merge(OmegaConf.structured(base or Config()), sections or {}, "the sections given")
+    return _finish(cfg, "the sections given")

@@ -22,15 +22,15 @@ from .algos import (
     TOKENS_PER_SEQ, compute_advantages, kl_estimate, kl_in_reward, make_policy_loss_fn, make_value_loss_fn,
     tokens_per_seq,
 )
-from .config import Config
+from .config import Config, ConfigError
 from ..hybrid import HybridActor
-from ..mesh import MeshSpec
 from ..profiler import peak_memory_bytes
 from .metrics import MetricsLogger, plot_rewards
-from ..rollout import Rollout, SamplingParams
+from ..rollout import Rollout
 from ..train import TrainBatch
 
 RewardFn = Callable[..., "float | None"]
+SHARE = {"auto": None, "on": True, "off": False}
 
 
 def _mean(xs: list[float]) -> float:
@@ -41,37 +41,45 @@ class Controller:
     """Builds the engines a config names and runs its steps."""
 
     def __init__(self, config: Config, reward_fn: RewardFn | None = None, dataset=None) -> None:
-        from transformers import AutoTokenizer
+        from transformers import AutoConfig, AutoTokenizer
 
+        from ..models import resolve_model
         from .data import PromptDataset
         from .rewards import load_reward
-        from ..models import resolve_model
 
         gdist.init()
         self.rank, self.world = gdist.rank(), gdist.world_size()
-        self.config = config.validate(self.world)
+        self.config = config.validate(self.world, reward_given=reward_fn is not None)
         cfg = self.config
+        # every backend is found before anything is built: a missing or ambiguous one fails first
+        for kind, name in (("train", cfg.train.backend), ("rollout", cfg.rollout.backend),
+                           ("reshard", cfg.switch.resharder)):
+            registry.load(kind, name)
         random.seed(cfg.run.seed + self.rank)
         torch.manual_seed(cfg.run.seed)
         self.out = Path(cfg.run.output_dir)
         self.model_path = resolve_model(cfg.model.path) if self.rank == 0 else None
         self.model_path = gdist.broadcast_object(self.model_path)
+        self._check_context(AutoConfig.from_pretrained(self.model_path))
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
-        self.reward_fn = load_reward(reward_fn or cfg.reward.fn)
+        self.reward_fn = load_reward(reward_fn or cfg.reward.resolved(cfg.data))
         self.data = dataset if dataset is not None else PromptDataset.from_config(cfg.data)
         self.reward_fn.check_columns(self.data.columns)  # a missing column fails now, not after a rollout
         self.data.bind(self.tokenizer, max_prompt_len=cfg.data.max_prompt_len)
-        train_mesh = MeshSpec.parse(cfg.train.mesh) if cfg.train.mesh else MeshSpec(dp=self.world)
-        rollout_mesh = MeshSpec.parse(cfg.rollout.mesh) if cfg.rollout.mesh else MeshSpec(dp=self.world)
-        common = dict(model=self.model_path, dtype=cfg.model.dtype)
-        t = cfg.train
-        train_opts = {**common, "mesh": train_mesh, "lr": t.lr, "weight_decay": t.weight_decay,
+        t, r, sw = cfg.train, cfg.rollout, cfg.switch
+        common = dict(model=self.model_path, dtype=cfg.model.dtype, seed=cfg.run.seed)
+        train_opts = {**common, "mesh": t.mesh or None, "lr": t.lr, "weight_decay": t.weight_decay,
                       "max_grad_norm": t.max_grad_norm, "micro_batch_size": t.micro_batch_size or None,
-                      "seed": cfg.run.seed, **t.options}
+                      "dropout": cfg.model.dropout, **t.options}
         self.policy = registry.create("train", t.backend, **train_opts)
-        rollout = registry.create("rollout", cfg.rollout.backend, **{**common, "mesh": rollout_mesh,
-                                                                      **cfg.rollout.options})
-        self.actor = HybridActor(self.policy, rollout)
+        rollout = registry.create("rollout", r.backend, **common, mesh=r.mesh or None,
+                                  max_model_len=r.max_model_len, **r.options)
+        if rollout.max_model_len < cfg.data.max_prompt_len + r.max_tokens:
+            raise ConfigError(cfg.context_problem(rollout.max_model_len) + f" (the {r.backend} engine's context)")
+        resharder = registry.create("reshard", sw.resharder, bucket_bytes=sw.bucket_mb << 20, **sw.options,
+                                    **({"share": SHARE[sw.share]} if sw.resharder == "stream" else {}))
+        self.actor = HybridActor(self.policy, rollout, resharder, offload=sw.offload,
+                                 offload_params=sw.offload_params)
         a = cfg.algorithm
         self.reference = None
         if a.kl_coef > 0:  # a frozen copy of the starting policy; it never steps, so it holds no optimizer state
@@ -91,6 +99,14 @@ class Controller:
                                     wandb_project=cfg.run.wandb_project, config=cfg.to_dict(),
                                     enabled=self.rank == 0)
         self._maybe_resume()
+
+    def _check_context(self, model_config) -> None:
+        """Prompt and completion must fit the model's context before anything is built."""
+        cfg = self.config
+        context = cfg.rollout.max_model_len or getattr(model_config, "max_position_embeddings", None) or \
+            getattr(model_config, "n_positions", None)
+        if context and cfg.data.max_prompt_len + cfg.rollout.max_tokens > context:
+            raise ConfigError(cfg.context_problem(context))
 
     # --- checkpoints ----------------------------------------------------------------------
     def _engines(self) -> dict:
@@ -133,10 +149,7 @@ class Controller:
         step_start = time.perf_counter()
         rows = self.data.next_batch(cfg.run.prompts_per_step)[self.rank::self.world]
         prompts = [row["prompt_ids"] for row in rows]
-        r = cfg.rollout
-        sampling = SamplingParams(n=r.n, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
-                                  max_tokens=r.max_tokens, stop=tuple(r.stop),
-                                  seed=cfg.run.seed * 1_000_003 + self.step * 1009 + self.rank)
+        sampling = cfg.sampling(seed=cfg.run.seed * 1_000_003 + self.step * 1009 + self.rank)
         switch_in = self.actor.to_rollout()
         with timed("rollout"):
             rollouts = self.actor.generate(prompts, sampling)

@@ -11,7 +11,7 @@ import argparse
 from typing import Any, Callable
 
 
-from .config import Config, ConfigError, _build, _merge, load_config
+from .config import Config, build_config, load_config
 
 
 class Trainer:
@@ -25,18 +25,14 @@ class Trainer:
 
     def __init__(self, model: str | None = None, reward: str | Callable | None = None, dataset: Any = None,
                  config: Config | None = None, **sections: dict) -> None:
-        data = (config or Config()).to_dict()
-        extra: dict = {k: v for k, v in sections.items()}
+        extra: dict = {k: dict(v) for k, v in sections.items()}
         if model is not None:
             extra.setdefault("model", {})["path"] = model
         if isinstance(reward, str):
             extra.setdefault("reward", {})["fn"] = reward
         if isinstance(dataset, str):
             extra.setdefault("data", {})["path"] = dataset
-        try:
-            self.config = _build(Config, _merge(data, extra))
-        except TypeError as err:
-            raise ConfigError(str(err)) from None
+        self.config = build_config(config, extra)
         self._reward = reward if callable(reward) else None
         self._dataset = None if isinstance(dataset, str) else dataset
         self.controller = None
@@ -64,14 +60,12 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def train_command(args: argparse.Namespace) -> int:
-    import yaml
-
     path, overrides = args.config, list(args.overrides)
     if path and "=" in path:  # only overrides were given
         path, overrides = None, [path, *overrides]
     cfg = load_config(path, overrides)
     if args.print_config:
-        print(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+        print(cfg.to_yaml())
         return 0
     trainer = Trainer(config=cfg)
     history = trainer.train()
