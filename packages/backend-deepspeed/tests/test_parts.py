@@ -1,0 +1,68 @@
+"""The pieces the engine is made of, each on its own, in one process."""
+
+import sys
+
+import pytest
+import torch
+from gearshift import registry
+
+from gearshift_deepspeed.config import deepspeed_config, merge
+from gearshift_deepspeed.engine import DeepSpeedTrainEngine, compute_dtype
+from gearshift_deepspeed.runtime import import_deepspeed
+
+
+def test_registered_as_train_backend_deepspeed():
+    assert registry.load("train", "deepspeed") is DeepSpeedTrainEngine
+
+
+def test_config_owns_accumulation_and_sets_clipping_explicitly():
+    config = deepspeed_config(zero_stage=3, max_grad_norm=None, compute_dtype=torch.float32)
+    assert config["managed_gradient_accumulation"] is False
+    assert config["gradient_clipping"] == 0.0  # no clipping, not DeepSpeed's default of 1.0
+    assert config["zero_optimization"] == {"stage": 3, "memory_efficient_linear": False}
+    assert config["bf16"] == {"enabled": False} and "optimizer" not in config
+    offload = deepspeed_config(zero_stage=3, max_grad_norm=1.0, compute_dtype=torch.bfloat16,
+                               offload_params=True, offload_optimizer=True, pin_memory=True)
+    assert offload["zero_optimization"]["offload_param"] == {"device": "cpu", "pin_memory": True}
+    assert offload["zero_optimization"]["offload_optimizer"] == {"device": "cpu", "pin_memory": True}
+    assert offload["zero_force_ds_cpu_optimizer"] is False  # ZeRO-Offload with torch's AdamW
+    fused = deepspeed_config(zero_stage=2, max_grad_norm=1.0, compute_dtype=torch.float32,
+                             offload_optimizer=True, fused_optimizer={"lr": 1e-3})
+    assert fused["optimizer"] == {"type": "AdamW", "params": {"lr": 1e-3}} and "zero_force_ds_cpu_optimizer" not in fused
+    with pytest.raises(ValueError, match="stages are 1, 2 and 3"):
+        deepspeed_config(zero_stage=0, max_grad_norm=1.0, compute_dtype=torch.float32)
+
+
+def test_merge_is_key_by_key_and_leaves_its_inputs_alone():
+    base = {"a": {"b": 1, "c": 2}, "d": [1]}
+    out = merge(base, {"a": {"c": 3}, "d": [2], "e": 4})
+    assert out == {"a": {"b": 1, "c": 3}, "d": [2], "e": 4} and base == {"a": {"b": 1, "c": 2}, "d": [1]}
+
+
+def test_compute_dtype_defaults_to_the_weights_dtype_on_a_cpu():
+    cpu = torch.device("cpu")
+    assert compute_dtype(None, torch.float32, cpu) == torch.float32
+    assert compute_dtype("bfloat16", torch.float32, cpu) == torch.bfloat16
+    assert compute_dtype(None, torch.bfloat16, cpu) == torch.bfloat16
+
+
+def test_the_shared_memory_op_is_not_built():
+    import_deepspeed()
+    assert sys.modules["deepspeed.comm.torch"].build_shm_op() is None
+    assert not hasattr(torch, "build_shm_op")  # the module was patched, not the torch package it shadows
+
+
+@pytest.mark.skipif("WORLD_SIZE" in __import__("os").environ, reason="takes down the process group of a plain process")
+def test_an_engine_built_after_the_group_was_destroyed_elsewhere_trains(gearshift_model):
+    """DeepSpeed keeps a clone of the world group; torch's own destroy (a test's teardown, a rollout engine
+    closing the group) leaves it dead, and the next engine must not use it."""
+    import torch.distributed as dist
+    from gearshift.conformance.train import fixed_batch, nll
+
+    losses = []
+    for _ in range(2):
+        engine = DeepSpeedTrainEngine.build(gearshift_model, lr=1e-2, zero_stage=3)
+        losses.append(engine.train_step(fixed_batch(), nll)["loss"])
+        engine.close()
+        dist.destroy_process_group()
+    assert losses[0] == losses[1]
