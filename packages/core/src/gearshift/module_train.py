@@ -150,7 +150,10 @@ class ModuleTrainEngine(TrainEngine):
         out = self.model(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
                          position_ids=position_ids(batch.attention_mask), use_cache=False)
         if self.args.value_head:  # a critic: values instead of log-probabilities
-            return PolicyOutput(torch.zeros_like(out), values=out)
+            # aligned like logprobs: values[:, t] is the value of the state token t is chosen in, i.e. of the
+            # prefix before it; the head's output at t has already seen token t, so it moves one to the right
+            values = torch.cat([out.new_zeros(out.shape[0], 1), out[:, :-1]], dim=1)
+            return PolicyOutput(torch.zeros_like(values), values=values)
         return token_logprobs(out.logits, batch.input_ids, with_entropy)
 
     @torch.no_grad()
