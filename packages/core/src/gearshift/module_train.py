@@ -156,32 +156,89 @@ class ModuleTrainEngine(TrainEngine):
             return PolicyOutput(torch.zeros_like(values), values=values)
         return token_logprobs(out.logits, batch.input_ids, with_entropy)
 
+    def _micro_batches(self, batch: TrainBatch) -> list[tuple[TrainBatch, torch.Tensor | None]]:
+        """The micro-batches of `batch` with the rows each holds (None: a filler, see below).
+
+        Consecutive runs of `micro_batch_size` rows, or, with `max_tokens_per_micro_batch`, rows packed
+        by length and each micro-batch trimmed to its longest row. A sharded model runs collectives in
+        every forward and backward, so every rank of the mesh runs as many micro-batches as the rank with
+        the most: a rank with fewer splits its largest ones, and one with fewer rows than that count
+        adds fillers (a forward and backward of one row that count for nothing).
+        """
+        args = self.args
+        if args.max_tokens_per_micro_batch:
+            groups = batch.packed_rows(args.max_tokens_per_micro_batch, args.micro_batch_size)
+        else:
+            size = args.micro_batch_size or batch.size
+            groups = [torch.arange(start, min(start + size, batch.size)) for start in range(0, batch.size, size)]
+        groups = self._as_many_on_every_rank(groups)
+        out: list[tuple[TrainBatch, torch.Tensor | None]] = []
+        for rows in groups:
+            if rows is None:
+                out.append((batch.select(slice(0, 1)), None))
+            elif args.max_tokens_per_micro_batch:
+                out.append((batch.select(rows).trimmed(), rows))
+            else:  # a contiguous slice, as wide as the batch
+                out.append((batch.select(slice(int(rows[0]), int(rows[-1]) + 1)), rows))
+        return out
+
+    def _as_many_on_every_rank(self, groups: list[torch.Tensor]) -> list[torch.Tensor | None]:
+        if self.mesh.world_size == 1 or not gdist.is_distributed():
+            return list(groups)
+        import torch.distributed as dist
+
+        count = torch.tensor([len(groups)], device=gdist.collective_device())
+        dist.all_reduce(count, op=dist.ReduceOp.MAX)
+        target, groups = int(count.item()), list(groups)
+        while len(groups) < target:
+            largest = max(range(len(groups)), key=lambda i: len(groups[i]))
+            rows = groups[largest]
+            if len(rows) < 2:
+                break
+            half = (len(rows) + 1) // 2
+            groups[largest:largest + 1] = [rows[:half], rows[half:]]
+        return groups + [None] * (target - len(groups))
+
     @torch.no_grad()
     def forward_logprobs(self, batch: TrainBatch, with_entropy: bool = False) -> PolicyOutput:
         self._need_onloaded(["params"], "run forward")
         self.model.eval()
-        outs = [self._forward(mb, with_entropy) for mb in batch.micro_batches(self.args.micro_batch_size)]
+        parts = [(self._forward(mb, with_entropy), rows) for mb, rows in self._micro_batches(batch)]
 
-        def cat(name: str):
-            parts = [getattr(o, name) for o in outs]
-            return None if parts[0] is None else torch.cat(parts)
+        def gather(name: str):
+            if getattr(parts[0][0], name) is None:
+                return None
+            first = getattr(parts[0][0], name)
+            full = first.new_zeros(batch.size, batch.width)
+            for out, rows in parts:
+                if rows is not None:
+                    part = getattr(out, name)
+                    full[rows.to(full.device), :part.shape[1]] = part
+            return full
 
-        return PolicyOutput(cat("logprobs"), cat("entropy"), cat("values"))
+        return PolicyOutput(gather("logprobs"), gather("entropy"), gather("values"))
 
     def train_step(self, batch: TrainBatch, loss_fn: LossFn) -> dict[str, float]:
         self._need_onloaded(TRAIN_TAGS, "train")
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
         totals: dict[str, float] = {}
-        for mb in batch.micro_batches(self.args.micro_batch_size):
-            weight = mb.size / batch.size
+        computed = 0
+        micro_batches = self._micro_batches(batch)
+        for mb, rows in micro_batches:
+            # weighted by their share of the sequences: losses that divide by the whole batch's counts
+            # (token_mean with tokens_per_seq) then add up to the whole batch's loss, whatever the sizes
+            weight = 0.0 if rows is None else mb.size / batch.size
             out = self._forward(mb, with_entropy=True)
             loss, metrics = loss_fn(out, mb.to(self.device))
             self._backward(loss * weight)
-            for k, v in {"loss": float(loss.detach()), **metrics}.items():
+            computed += 0 if rows is None else mb.size * mb.width
+            for k, v in {"loss": float(loss.detach()), **metrics}.items():  # a filler adds its keys, at 0
                 totals[k] = totals.get(k, 0.0) + float(v) * weight
         totals["grad_norm"] = self._clip_and_step()
         totals["lr"] = self.optimizer.param_groups[0]["lr"]
+        totals["micro_batches"] = float(len(micro_batches))
+        totals["pad_frac"] = 1.0 - float(batch.lengths.sum()) / max(computed, 1)  # share of computed tokens
         return gdist.average_metrics(totals)
 
     def offload(self, tags: Sequence[str] = TRAIN_TAGS) -> int:

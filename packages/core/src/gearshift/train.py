@@ -36,6 +36,10 @@ class TrainArgs(EngineArgs):
     weight_decay: float = option(0.0, "AdamW weight decay")
     max_grad_norm: float | None = option(1.0, "clip the global gradient norm to this (None: no clipping)")
     micro_batch_size: int | None = option(None, "sequences per forward/backward (None: the whole batch at once)")
+    max_tokens_per_micro_batch: int | None = option(
+        None, "pack sequences by length into micro-batches of at most this many tokens, padding included "
+              "(rows x the longest row; a longer sequence goes alone); with micro_batch_size, that many rows at "
+              "most (None: micro-batches of micro_batch_size sequences)")
     value_head: bool = option(False, "a critic: a linear value head on the decoder; forward_logprobs returns values")
     dropout: bool = option(False, "train with the model's dropout; off by default, since an on-policy update "
                                   "with dropout is off-policy")
@@ -62,6 +66,15 @@ class TrainBatch:
     def size(self) -> int:
         return self.input_ids.shape[0]
 
+    @property
+    def width(self) -> int:
+        return self.input_ids.shape[1]
+
+    @property
+    def lengths(self) -> torch.Tensor:
+        """[B] tokens of each row the model attends to (prompt and response)."""
+        return self.attention_mask.sum(-1)
+
     def to(self, device: torch.device | str) -> "TrainBatch":
         return TrainBatch(
             self.input_ids.to(device), self.attention_mask.to(device), self.loss_mask.to(device),
@@ -78,6 +91,37 @@ class TrainBatch:
         size = size or self.size
         for start in range(0, self.size, size):
             yield self.select(slice(start, start + size))
+
+    def trimmed(self) -> "TrainBatch":
+        """The batch without its trailing columns that no row attends to; [B, T] extras are cut alike."""
+        used = torch.nonzero(self.attention_mask.any(0))
+        width = int(used.max()) + 1 if len(used) else 1
+        if width == self.width:
+            return self
+        return TrainBatch(self.input_ids[:, :width], self.attention_mask[:, :width], self.loss_mask[:, :width],
+                          {k: v[:, :width] if v.dim() == 2 and v.shape[1] == self.width else v
+                           for k, v in self.extras.items()})
+
+    def packed_rows(self, max_tokens: int, max_rows: int | None = None) -> list[torch.Tensor]:
+        """Row indices of micro-batches packed by length: rows sorted longest first, each micro-batch
+        filled while its rows x its longest row stay within `max_tokens` (and its rows within `max_rows`).
+
+        A row longer than `max_tokens` gets a micro-batch of its own. Neighbours in length share a
+        micro-batch, so trimmed to its longest row it carries little padding.
+        """
+        if max_tokens < 1:
+            raise ValueError(f"max_tokens={max_tokens} must be >= 1")
+        lengths = self.lengths.clamp(min=1).tolist()
+        order = sorted(range(self.size), key=lambda i: -lengths[i])  # stable: equal lengths keep their order
+        groups: list[list[int]] = []
+        for i in order:
+            current = groups[-1] if groups else None
+            width = lengths[current[0]] if current else 0  # the longest row leads each group
+            if current and (len(current) + 1) * width <= max_tokens and (not max_rows or len(current) < max_rows):
+                current.append(i)
+            else:
+                groups.append([i])
+        return [torch.tensor(g, dtype=torch.long) for g in groups]
 
     @classmethod
     def from_sequences(cls, prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]],
