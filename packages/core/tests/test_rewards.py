@@ -3,7 +3,7 @@ import math
 import pytest
 
 from gearshift.rl.rewards import (
-    Reward, RewardError, combine_rewards, exact_match, format_match, load_reward, numeric_match,
+    Reward, RewardError, combine_rewards, exact_match, format_match, load_reward, numeric_match, strict_numeric_match,
 )
 
 
@@ -27,6 +27,20 @@ def test_builtins_by_module_name():
 ])
 def test_numeric_match(completion, answer, which, expected):
     assert numeric_match(completion, answer, which=which) == expected
+
+
+@pytest.mark.parametrize("completion, answer, expected", [
+    ("9", "9", 1.0), (" 9\n", "9", 1.0), ("9.", "9", 1.0), ("9 !", "9", 1.0), ("-3", -3, 1.0),
+    ("1,234.5", "1234.5", 1.0), ("9.5.", "9.5", 1.0),
+    ("X9", "9", 0.0), ("9X", "9", 0.0), ("9 apples", "9", 0.0), ("it is 9", "9", 0.0), ("9..", "9", 0.0),
+    ("9 9", "9", 0.0), ("(9)", "9", 0.0), ("", "9", 0.0), ("8", "9", 0.0),
+])
+def test_strict_numeric_match_takes_the_number_alone(completion, answer, expected):
+    assert numeric_match(completion, answer, strict=True) == expected
+    assert strict_numeric_match(completion, answer) == expected
+    assert load_reward("gearshift.rewards:strict_numeric_match")(completion, answer=answer) == expected
+    if expected:  # what the strict mode accepts, the lenient one does too
+        assert numeric_match(completion, answer) == 1.0
 
 
 def test_numeric_match_tolerance_as_an_option():
@@ -74,7 +88,7 @@ def test_load_errors_name_the_problem(tmp_path):
         load_reward("no_such_pkg.rewards:score")
     with pytest.raises(RewardError, match="must be 'module:function'"):
         load_reward("exact_match")
-    with pytest.raises(RewardError, match="has no parameter tolerance; it takes answer, tol, which"):
+    with pytest.raises(RewardError, match="has no parameter tolerance; it takes answer, strict, tol, which"):
         load_reward("gearshift.rewards:numeric_match", tolerance=0.1)
 
 

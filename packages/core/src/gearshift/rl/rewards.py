@@ -186,6 +186,11 @@ def combine_rewards(weighted: Mapping[Any, float] | Iterable[tuple[Any, float]])
 _NUMBER = re.compile(r"(?<!\d)-?\d+(?:,\d{3})*(?:\.\d+)?")
 
 
+# a strict answer: the number alone, whitespace around it, and at most one closing punctuation mark after it
+_STRICT_PUNCTUATION = ".!?,;:"
+_STRICT_NUMBER = re.compile(rf"\s*({_NUMBER.pattern})\s*[{re.escape(_STRICT_PUNCTUATION)}]?\s*")
+
+
 def _numbers(text: str) -> list[float]:
     return [float(m.replace(",", "")) for m in _NUMBER.findall(text)]
 
@@ -204,15 +209,30 @@ def exact_match(completion: str, answer: Any) -> float:
     return float(completion.strip() == str(answer).strip())
 
 
-def numeric_match(completion: str, answer: Any, *, which: str = "last", tol: float = 1e-6) -> float:
-    """1.0 when the first or last number in the completion equals the answer within `tol`."""
+def numeric_match(completion: str, answer: Any, *, which: str = "last", tol: float = 1e-6,
+                  strict: bool = False) -> float:
+    """1.0 when the first or last number in the completion equals the answer within `tol`.
+
+    `strict=True`: the completion must be the number and nothing else, but whitespace around it and
+    one closing punctuation mark after it (one of . ! ? , ; :): ' 9', '9.' and '9 !' are 9, while
+    'X9', '9 apples', 'it is 9' and '9..' score 0.
+    """
     if which not in ("first", "last"):
         raise ValueError(f"which={which!r}: use 'first' or 'last'")
     target = _as_number(answer)
-    found = _numbers(completion)
+    if strict:
+        alone = _STRICT_NUMBER.fullmatch(completion)
+        found = [float(alone.group(1).replace(",", ""))] if alone else []
+    else:
+        found = _numbers(completion)
     if not found:
         return 0.0
     return float(abs(found[0 if which == "first" else -1] - target) <= tol)
+
+
+def strict_numeric_match(completion: str, answer: Any, *, tol: float = 1e-6) -> float:
+    """`numeric_match(strict=True)`, by name: 1.0 when the completion is the answer's number alone."""
+    return numeric_match(completion, answer, tol=tol, strict=True)
 
 
 def format_match(completion: str, *, pattern: str) -> float:
