@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 import sys
+import warnings
 
 import torch
 from gearshift import dist as gdist
@@ -29,6 +30,9 @@ def import_deepspeed():
     # module that imports torch): the submodule is only reachable through sys.modules.
     comm = sys.modules["deepspeed.comm.torch"]
     comm.build_shm_op = _no_shm_op
+    # DeepSpeed reduces and gathers through torch calls that torch 2.13 flags as deprecated, on every call
+    warnings.filterwarnings("ignore", category=FutureWarning,
+                            message=r"`torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)` is deprecated")
     return deepspeed
 
 
