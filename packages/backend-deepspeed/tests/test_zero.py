@@ -326,3 +326,19 @@ def test_no_op_is_compiled_and_torch_keeps_its_linear(gearshift_model):
     build(gearshift_model, zero_stage=3).train_step(fixed_batch(), nll)
     assert ds_comm.cdb.shm_comm_op is None  # the shared-memory all-reduce op was not built
     assert torch.nn.functional.linear is linear  # ZeRO-3's memory_efficient_linear is off
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_a_closed_engine_is_freed(gearshift_model, stage):
+    """ZeRO-3 keeps its model on a module-level stack, and the model's hooks hold DeepSpeed's engine: close
+    takes it off, so a process that builds engines one after another (the suite, a benchmark) does not keep
+    every one of them."""
+    import gc
+
+    engine = build(gearshift_model, zero_stage=stage)
+    engine.train_step(fixed_batch(), nll)
+    ds, model = weakref.ref(engine.ds), weakref.ref(engine.hf_model)
+    engine.close()
+    del engine
+    gc.collect()
+    assert ds() is None and model() is None

@@ -29,7 +29,7 @@ from gearshift.train import TrainArgs
 from .checkpoint import load_checkpoint, save_checkpoint
 from .config import deepspeed_config
 from .offload import ZeroOffloader
-from .runtime import import_deepspeed, initialize
+from .runtime import import_deepspeed, initialize, release
 
 
 class DeepSpeedTrainEngine(ModuleTrainEngine):
@@ -135,8 +135,8 @@ class DeepSpeedTrainEngine(ModuleTrainEngine):
         load_checkpoint(self.ds, path)
 
     def close(self) -> None:
-        if getattr(self, "ds", None) is not None and torch.distributed.is_initialized():
-            self.ds.destroy()  # its hooks and buffers (it logs through the group: skipped once that is gone)
+        if getattr(self, "ds", None) is not None:
+            release(self.ds)
         self.ds = None
         super().close()
 

@@ -73,3 +73,18 @@ def forget_destroyed_groups() -> None:
         torch.distributed.get_process_group_ranks(cached)
     except (KeyError, ValueError, RuntimeError):  # torch no longer knows the group
         groups._release_process_group_references(None)
+
+
+def release(engine) -> None:
+    """Let go of a DeepSpeed engine: its hooks and buffers, and the reference ZeRO-3 keeps to its model.
+
+    `destroy` logs through the process group, so it is skipped once the group is gone.
+    ZeRO-3 pushes the model onto a module-level stack (`FWD_MODULE_STACK`) when it sets up
+    its hooks and never takes it off; the model's hooks hold the engine, so without this every
+    ZeRO-3 engine a process builds would stay in memory for good.
+    """
+    if torch.distributed.is_initialized():
+        engine.destroy()
+    offload = sys.modules.get("deepspeed.runtime.zero.parameter_offload")
+    if offload is not None:
+        offload.FWD_MODULE_STACK[:] = [m for m in offload.FWD_MODULE_STACK if m is not engine.module]
