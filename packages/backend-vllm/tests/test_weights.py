@@ -133,3 +133,13 @@ def test_sleep_releases_device_memory_and_wake_takes_it_back(engine, original):
           f"taken back {free_asleep - free_again}")
     assert free_asleep - free_awake >= 0.9 * held["kv_cache"]
     assert free_asleep - free_again >= 0.9 * held["kv_cache"]
+
+
+def test_every_weight_lands_straight_in_vllm_storage_with_the_plain_layout(engine, original, transformers_diff):
+    if engine.cpu_weights == "packed":
+        assert engine._landing == {}  # every load re-packs: nothing is written around vLLM's loader
+        return
+    assert set(engine._landing) == set(engine.weight_spec().names())  # fused q/k/v, gate/up, padded vocab
+    changed = perturbed(original)
+    engine.update_weights(as_buckets(changed, engine.device))
+    assert transformers_diff(engine.generate(PROMPTS, GREEDY), changed) <= 1e-4

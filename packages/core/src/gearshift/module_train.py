@@ -91,7 +91,7 @@ class ModuleTrainEngine(TrainEngine):
         self._spec = WeightSpec(self.mesh, tuple(
             ParamSpec(n, tuple(p.shape), p.dtype, self._placement(n, p)) for n, p in self._params.items()
         ), {a: t for a, t in aliases.items() if t in self._params})
-        self._stashes: dict[str, HostStash] = {}
+        self._stashes = {tag: HostStash() for tag in TRAIN_TAGS}  # kept: their host buffers are reused
 
     # --- hooks ----------------------------------------------------------------------------
     def _check_mesh(self) -> None:
@@ -249,17 +249,32 @@ class ModuleTrainEngine(TrainEngine):
         """
         moved = 0
         for tag in check_tags(tags, TRAIN_TAGS):
-            if tag in self._stashes:
-                continue
-            stash = HostStash()
-            moved += stash.offload(t for t in self._state_tensors(tag) if t.device.type != "cpu")
-            if len(stash):
-                self._stashes[tag] = stash
+            if not len(self._stashes[tag]):
+                moved += self._stashes[tag].offload(t for t in self._state_tensors(tag) if t.device.type != "cpu")
         return moved
 
     def onload(self, tags: Sequence[str] = TRAIN_TAGS) -> int:
-        tags = check_tags(tags, TRAIN_TAGS)
-        return sum(self._stashes.pop(tag).restore() for tag in TRAIN_TAGS if tag in tags and tag in self._stashes)
+        return sum(self._stashes[tag].restore() for tag in check_tags(tags, TRAIN_TAGS))
+
+    def state_bytes(self) -> dict[str, int]:
+        """Device bytes each tag holds now (state in host memory counts 0); before the first step, the
+        optimizer's as AdamW will hold it: two moments per trained parameter."""
+        sizes = {}
+        for tag in TRAIN_TAGS:
+            storages = {t.untyped_storage().data_ptr(): t.untyped_storage()
+                        for t in self._state_tensors(tag) if t.device.type != "cpu"}
+            sizes[tag] = sum(s.nbytes() for s in storages.values())
+        if not self.optimizer.state and self.device.type != "cpu":
+            trained = [self._local(p) for group in self.optimizer.param_groups for p in group["params"]]
+            sizes["optimizer"] = 2 * sum(t.numel() * t.element_size() for t in trained)
+        return sizes
+
+    def reserve_host(self, tags: Sequence[str]) -> int:
+        """Allocate (and pin) the host buffers `offload(tags)` will use, now; returns their bytes."""
+        sizes = self.state_bytes()
+        for tag in check_tags(tags, TRAIN_TAGS):
+            self._stashes[tag].reserve(sizes[tag])
+        return sum(self._stashes[t].host_bytes for t in TRAIN_TAGS)
 
     def save(self, path: str) -> None:
         if gdist.world_size() > 1:
@@ -289,13 +304,14 @@ class ModuleTrainEngine(TrainEngine):
         gdist.barrier()
 
     def close(self) -> None:
-        self._stashes.clear()
+        for stash in self._stashes.values():
+            stash.close()
         self._params.clear()
         self.optimizer = None
         self.model = self.hf_model = None
 
     def _need_onloaded(self, tags: Sequence[str], action: str) -> None:
-        away = [t for t in tags if t in self._stashes]
+        away = [t for t in tags if len(self._stashes[t])]
         if away:
             raise RuntimeError(f"cannot {action}: {away} are offloaded to host memory; call onload({away}) first")
 

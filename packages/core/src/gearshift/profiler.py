@@ -41,6 +41,7 @@ class SwitchReport:
 
     direction: str = ""
     phases: list[Phase] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)  # what the switch decided and why (what moved, what stayed)
 
     @property
     def seconds(self) -> float:
@@ -70,6 +71,7 @@ class SwitchReport:
             "bytes": self.bytes,
             "peak_bytes": self.peak_bytes,
             "phases": [asdict(p) for p in self.phases],
+            "notes": list(self.notes),
         }
 
     def table(self) -> str:
@@ -88,7 +90,7 @@ class SwitchReport:
         lines.insert(1, "-" * len(lines[0]))
         lines.insert(len(lines) - 1, "-" * len(lines[0]))
         title = f"switch {self.direction}".strip()
-        return f"{title}\n" + "\n".join(lines)
+        return f"{title}\n" + "\n".join(lines + [f"note: {n}" for n in self.notes])
 
     def write_json(self, path: str | os.PathLike) -> None:
         Path(path).write_text(json.dumps(self.to_dict(), indent=2))

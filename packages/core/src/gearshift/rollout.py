@@ -105,7 +105,8 @@ class RolloutEngine(Buildable, ABC):
     #: the engine can serve from tensors it is handed, without copying them (`share_weights`)
     can_share_weights: ClassVar[bool] = False
     #: `update_weights` takes floating-point tensors of any dtype and casts them as it copies them in
-    casts_on_load: ClassVar[bool] = False
+    #: (an engine may set it per instance, where it depends on how the engine was built)
+    casts_on_load: bool = False
 
     args: RolloutArgs
     device: torch.device
@@ -134,6 +135,11 @@ class RolloutEngine(Buildable, ABC):
         prefix cache is dropped once the update ends, however it ends. Raises `RolloutError`
         while the weights sleep.
         """
+
+    def own_load(self, buckets: Iterable[WeightBucket]) -> int:
+        """The engine's own way of loading weights from memory, with nothing of gearshift's in between
+        (benchmarks compare a sync with it). Default: `update_weights`."""
+        return self.update_weights(buckets)
 
     def share_weights(self, buckets: Iterable[WeightBucket]) -> int:
         """Serve from the buckets' tensors themselves, copying nothing; returns the bytes now borrowed.

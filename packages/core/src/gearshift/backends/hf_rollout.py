@@ -136,8 +136,8 @@ class HFRolloutEngine(RolloutEngine):
                     for name in self._borrowed:
                         self._params[name].data = self._params[name].data.clone()
                     self._borrowed.clear()
-                for name, tensor in tensors.items():
-                    self._params[name].copy_(tensor)
+                # one batched cast-copy per bucket rather than one call per weight
+                torch._foreach_copy_([self._params[n].data for n in tensors], list(tensors.values()))
                 handed += bucket.nbytes
                 applied += len(tensors)
         finally:

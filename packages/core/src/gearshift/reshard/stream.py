@@ -62,6 +62,8 @@ def _assemble(plan, bucket, local, rank, group, cast, tag) -> WeightBucket:
     used = dict.fromkeys(arena, 0)
     sends: dict[tuple[int, torch.dtype], list[torch.Tensor]] = {}
     recvs: dict[tuple[int, torch.dtype], list[tuple[torch.Tensor, tuple[slice, ...], tuple[int, ...]]]] = {}
+    into: list[torch.Tensor] = []  # pieces this rank keeps, copied in one batched call
+    pieces: list[torch.Tensor] = []
     for name in bucket.names:
         dtype = plan.target(name).dtype
         view = plan.rank_view(rank, name)
@@ -76,11 +78,14 @@ def _assemble(plan, bucket, local, rank, group, cast, tag) -> WeightBucket:
             if piece.src == rank:
                 part = local[name][piece.src_slices]
                 if piece.dst == rank:
-                    out[name][piece.dst_slices].copy_(part)
+                    into.append(out[name][piece.dst_slices])
+                    pieces.append(part)
                 else:
                     sends.setdefault((piece.dst, dtype), []).append(part.reshape(-1))
             else:
                 recvs.setdefault((piece.src, dtype), []).append((out[name], piece.dst_slices, piece.shape))
+    if into:
+        torch._foreach_copy_(into, pieces)
     if sends or recvs:
         _exchange(bucket, sends, recvs, device, group, tag)
     return WeightBucket(out, bucket.index)  # its tensors keep the arena alive; the consumer decides when it goes
@@ -100,7 +105,10 @@ def _exchange(bucket, sends, recvs, device, group, tag) -> None:
         landing.append((flat, places))
     for work in dist.batch_isend_irecv(ops):
         work.wait()
+    dsts, srcs = [], []
     for flat, places in landing:
-        parts = flat.split([numel(shape) for _, _, shape in places])
-        for (buf, where, shape), part in zip(places, parts):
-            buf[where].copy_(part.view(shape))
+        for (buf, where, shape), part in zip(places, flat.split([numel(shape) for _, _, shape in places])):
+            dsts.append(buf[where])
+            srcs.append(part.view(shape))
+    if dsts:
+        torch._foreach_copy_(dsts, srcs)

@@ -69,7 +69,9 @@ class SwitchConfig:
     resharder: str = "stream"  # a reshard backend ('gearshift backends --kind reshard')
     share: str = "auto"  # auto | on | off: serve rollout from the trainer's tensors when the pair can
     bucket_mb: int = 128  # weights travel in buckets of about this many MiB
-    offload: list[str] = field(default_factory=lambda: ["optimizer", "grads"])  # train state moved to host
+    # train state moved to host memory during rollout: auto (on a GPU, only what the rollout engine's memory
+    # needs, largest first; see gearshift.memory), none, or tags to always move, e.g. optimizer,grads
+    offload: str = "auto"
     offload_params: bool = False  # also move the trained weights to host during rollout (turns sharing off)
     options: dict[str, Any] = field(default_factory=dict)  # more resharder options
 
@@ -170,9 +172,10 @@ class Config:
             problems.append(f"switch.share={sw.share!r}: use auto, on or off")
         if sw.bucket_mb < 1:
             problems.append(f"switch.bucket_mb={sw.bucket_mb} must be >= 1")
-        unknown_tags = [tag for tag in sw.offload if tag not in TRAIN_TAGS]
-        if unknown_tags:
-            problems.append(f"switch.offload={sw.offload}: unknown tags {unknown_tags}; use any of {list(TRAIN_TAGS)}")
+        unknown_tags = [tag for tag in self.offload_tags() if tag not in TRAIN_TAGS]
+        if sw.offload != "auto" and unknown_tags:
+            problems.append(f"switch.offload={sw.offload!r}: unknown tags {unknown_tags}; use auto, none, or tags "
+                            f"from {list(TRAIN_TAGS)} (e.g. optimizer,grads)")
         if sw.share == "on" and sw.offload_params:
             problems.append("switch.share=on with switch.offload_params=true: the rollout engine would read "
                             "weights that were moved away; drop one")
@@ -215,6 +218,13 @@ class Config:
         if problems:
             raise ConfigError("the configuration cannot run:\n  - " + "\n  - ".join(problems))
         return self
+
+    def offload_tags(self) -> str | list[str]:
+        """`switch.offload` as `HybridActor` takes it: "auto", or the tags to move."""
+        text = self.switch.offload.strip()
+        if text in ("auto", ""):
+            return "auto"
+        return [] if text == "none" else [t.strip() for t in text.split(",") if t.strip()]
 
     def sampling(self, seed: int | None = None):
         """The rollout section as `SamplingParams` (raises `RolloutError` on bad values)."""

@@ -78,7 +78,7 @@ class Controller:
             raise ConfigError(cfg.context_problem(rollout.max_model_len) + f" (the {r.backend} engine's context)")
         resharder = registry.create("reshard", sw.resharder, bucket_bytes=sw.bucket_mb << 20, **sw.options,
                                     **({"share": SHARE[sw.share]} if sw.resharder == "stream" else {}))
-        self.actor = HybridActor(self.policy, rollout, resharder, offload=sw.offload,
+        self.actor = HybridActor(self.policy, rollout, resharder, offload=cfg.offload_tags(),
                                  offload_params=sw.offload_params)
         a = cfg.algorithm
         self.reference = None
