@@ -1,4 +1,4 @@
-"""Benchmarks: switch latency beside its baselines, rollout tokens/s, train steps/s.
+"""Benchmarks: switch latency beside its baselines, rollout tokens/s, train steps/s, tokens/s and padding.
 
 Every figure is measured in the same run as the baselines it is compared with:
 the naive resharder (a safetensors file round trip), the copy limit (a plain
@@ -272,27 +272,52 @@ def measure_rollout(names: list[str], model: str, prompts: int = 16, n: int = 4,
     return rows
 
 
+def train_batch(batch_size: int, seq_len: int, min_len: int | None = None, seed: int = 0):
+    """Random rows, half prompt and half response, `seq_len` tokens each, or of lengths drawn uniformly
+    from [min_len, seq_len] (right-padded to the longest)."""
+    from .train import TrainBatch
+
+    g = torch.Generator().manual_seed(seed)
+    if min_len is None or min_len >= seq_len:
+        lengths = [seq_len] * batch_size
+    else:
+        lengths = torch.randint(max(min_len, 2), seq_len + 1, (batch_size,), generator=g).tolist()
+    prompts = [torch.randint(32, 200, (n // 2,), generator=g).tolist() for n in lengths]
+    responses = [torch.randint(32, 200, (n - n // 2,), generator=g).tolist() for n in lengths]
+    return TrainBatch.from_sequences(prompts, responses)
+
+
 def measure_train(names: list[str], model: str, batch_size: int = 16, seq_len: int = 64, steps: int = 3,
-                  options: dict | None = None) -> list[dict]:
-    """Optimizer steps/s of each train backend on the same model and batch."""
+                  options: dict | None = None, *, min_len: int | None = None, micro_batch_size: int | None = None,
+                  token_budgets: tuple[int, ...] = (0,)) -> list[dict]:
+    """Optimizer steps/s and tokens/s of each train backend on the same model and batch, once per token
+    budget (0: micro-batches of `micro_batch_size` rows, as wide as the batch; else rows packed by length
+    into micro-batches of that many tokens, `max_tokens_per_micro_batch`).
+
+    tokens_per_s counts the batch's real tokens; pad_share is the share of padding in the tokens the
+    engine computed (from its `pad_frac` metric; '-' for an engine that does not report it).
+    """
     from .models import resolve_model
-    from .train import TrainBatch, nll_loss
+    from .train import nll_loss
 
     gdist.init()
     path = resolve_model(model)
-    g = torch.Generator().manual_seed(0)
-    prompts = torch.randint(32, 200, (batch_size, seq_len // 2), generator=g).tolist()
-    responses = torch.randint(32, 200, (batch_size, seq_len // 2), generator=g).tolist()
-    batch = TrainBatch.from_sequences(prompts, responses)
+    batch = train_batch(batch_size, seq_len, min_len)
+    real_tokens = int(batch.lengths.sum())
     rows = []
     for name in names:
-        engine = registry.create("train", name, model=path, lr=1e-5, **(options or {}).get(name, {}))
-        engine.train_step(batch, nll_loss)  # warm-up
-        secs = _median_seconds(lambda: engine.train_step(batch, nll_loss), steps)
-        rows.append({"backend": name, "model": model, "batch": batch_size, "seq_len": seq_len,
-                     "seconds_per_step": secs, "steps_per_s": 1 / secs,
-                     "tokens_per_s": batch_size * seq_len / secs})
-        engine.close()
+        for budget in token_budgets:
+            engine = registry.create("train", name, model=path, lr=1e-5, micro_batch_size=micro_batch_size,
+                                     max_tokens_per_micro_batch=budget or None, **(options or {}).get(name, {}))
+            metrics = engine.train_step(batch, nll_loss)  # warm-up
+            secs = _median_seconds(lambda: engine.train_step(batch, nll_loss), steps)
+            pad = metrics.get("pad_frac")
+            rows.append({"backend": name, "model": model, "batch": batch_size, "seq_len": seq_len,
+                         "micro_batch_size": micro_batch_size or "-", "max_tokens": budget or "-",
+                         "micro_batches": int(metrics.get("micro_batches", 0)) or "-",
+                         "pad_share": pad if pad is not None else "-",
+                         "seconds_per_step": secs, "steps_per_s": 1 / secs, "tokens_per_s": real_tokens / secs})
+            engine.close()
     return rows
 
 
@@ -311,6 +336,12 @@ def _train_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="small", help="model folder or preset (default small)")
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--seq-len", type=int, default=64)
+    p.add_argument("--min-len", type=int, default=None,
+                   help="row lengths drawn uniformly from [min-len, seq-len] (default: all seq-len, no padding)")
+    p.add_argument("--micro-batch-size", type=int, default=None, help="rows per micro-batch (default: all)")
+    p.add_argument("--max-tokens-per-micro-batch", default="0",
+                   help="comma-separated token budgets, one row each; 0: micro-batches of --micro-batch-size "
+                        "rows (e.g. 0,2048 puts fixed and packed micro-batches side by side)")
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--options", default="{}", help="JSON: {backend: {engine options}}")
 
@@ -331,7 +362,8 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
     sub = p.add_subparsers(dest="what", metavar="WHAT", required=True)
     _switch_args(sub.add_parser("switch", help="switch latency of a pair beside naive, copy and engine-load baselines"))
     _rollout_args(sub.add_parser("rollout", help="generated tokens/s of rollout backends, side by side"))
-    _train_bench_args(sub.add_parser("train", help="train steps/s of train backends, side by side"))
+    _train_bench_args(sub.add_parser("train", help="train steps/s, tokens/s and padding of train backends, "
+                                                   "side by side"))
 
 
 def bench_command(args: argparse.Namespace) -> int:
@@ -342,5 +374,8 @@ def bench_command(args: argparse.Namespace) -> int:
     if args.what == "rollout":
         _print_rows(measure_rollout(names, args.model, args.prompts, args.n, args.max_tokens, args.repeats, options))
     else:
-        _print_rows(measure_train(names, args.model, args.batch_size, args.seq_len, args.steps, options))
+        budgets = tuple(int(b) for b in args.max_tokens_per_micro_batch.split(",") if b.strip())
+        _print_rows(measure_train(names, args.model, args.batch_size, args.seq_len, args.steps, options,
+                                  min_len=args.min_len, micro_batch_size=args.micro_batch_size,
+                                  token_budgets=budgets or (0,)))
     return 0

@@ -60,6 +60,7 @@ class TrainConfig:
     max_grad_norm: float = 1.0
     mini_batch_size: int = 0  # sequences per optimizer step; 0: the whole batch in one step
     micro_batch_size: int = 0  # sequences per forward/backward; 0: the whole mini-batch
+    max_tokens_per_micro_batch: int = 0  # pack sequences by length into micro-batches of this many tokens; 0: off
     mesh: str = ""
     options: dict[str, Any] = field(default_factory=dict)  # the engine's own options ('gearshift backends NAME')
 
@@ -183,6 +184,8 @@ class Config:
             problems.append(f"algorithm.name={a.name!r}: use 'grpo' or 'ppo'")
         if a.name == "grpo" and r.n < 2:
             problems.append(f"rollout.n={r.n}: GRPO compares samples of one prompt, so use n >= 2")
+        if t.max_tokens_per_micro_batch < 0:
+            problems.append(f"train.max_tokens_per_micro_batch={t.max_tokens_per_micro_batch} must be >= 0")
         if a.kl_in not in ("loss", "reward"):
             problems.append(f"algorithm.kl_in={a.kl_in!r}: use 'loss' or 'reward'")
         advantage = a.advantage or ("gae" if a.name == "ppo" else "grpo")

@@ -70,6 +70,7 @@ class Controller:
         common = dict(model=self.model_path, dtype=cfg.model.dtype, seed=cfg.run.seed)
         train_opts = {**common, "mesh": t.mesh or None, "lr": t.lr, "weight_decay": t.weight_decay,
                       "max_grad_norm": t.max_grad_norm, "micro_batch_size": t.micro_batch_size or None,
+                      "max_tokens_per_micro_batch": t.max_tokens_per_micro_batch or None,
                       "dropout": cfg.model.dropout, **t.options}
         self.policy = registry.create("train", t.backend, **train_opts)
         rollout = registry.create("rollout", r.backend, **common, mesh=r.mesh or None,
