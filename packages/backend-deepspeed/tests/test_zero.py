@@ -342,3 +342,38 @@ def test_a_closed_engine_is_freed(gearshift_model, stage):
     del engine
     gc.collect()
     assert ds() is None and model() is None
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_ranks_with_different_rows_and_packed_micro_batches_step_as_one_batch(gearshift_model, stage):
+    """Each rank has its own rows (7 on rank 0, 1 on the others under torchrun), packed by length into
+    micro-batches: ZeRO's collectives in every forward and backward need as many on every rank (the base
+    evens them out with fillers), and the packed step is the whole-batch step."""
+    from gearshift.rl.algos import TOKENS_PER_SEQ, make_policy_loss_fn, tokens_per_seq
+    from gearshift.train import TrainBatch
+
+    rank = gdist.rank()
+    g = torch.Generator().manual_seed(rank)
+    n = 7 if rank == 0 else 1
+    prompts = [torch.randint(32, 120, (3,), generator=g).tolist() for _ in range(n)]
+    responses = [torch.randint(32, 120, (int(k),), generator=g).tolist()
+                 for k in torch.randint(1, 20, (n,), generator=g)]
+    batch = TrainBatch.from_sequences(prompts, responses)
+    batch.extras.update(advantages=torch.randn(batch.loss_mask.shape, generator=g) * batch.loss_mask,
+                        old_logprobs=-torch.rand(batch.loss_mask.shape, generator=g) * batch.loss_mask)
+    batch.extras[TOKENS_PER_SEQ] = tokens_per_seq(batch.loss_mask)
+    loss_fn = make_policy_loss_fn("ppo_clip")
+    probe = fixed_batch()
+    results = {}
+    for name, args in (("whole", {}), ("packed", {"max_tokens_per_micro_batch": 30})):
+        engine = build(gearshift_model, zero_stage=stage, lr=1e-3, max_grad_norm=None, **args)
+        metrics = engine.train_step(batch, loss_fn)
+        results[name] = (metrics, engine.forward_logprobs(probe).logprobs)
+    (whole, whole_lp), (packed, packed_lp) = results["whole"], results["packed"]
+    assert whole["micro_batches"] == 1 and packed["micro_batches"] >= 2
+    assert packed["loss"] == pytest.approx(whole["loss"], rel=1e-5, abs=1e-7)
+    assert packed["grad_norm"] == pytest.approx(whole["grad_norm"], rel=1e-5)
+    diff = float((packed_lp - whole_lp)[probe.attention_mask.bool()].abs().max())
+    print(f"FIGURE world={gdist.world_size()} zero_stage={stage}: packed vs whole-batch step, logprobs after: "
+          f"max abs diff {diff:.3g}")
+    assert diff <= 1e-4
