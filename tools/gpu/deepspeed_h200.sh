@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # The deepspeed train backend on a CUDA machine with no network (the lent H200).
 #
-#   tools/gpu/deepspeed_h200.sh wheels          here, with PyPI: wheels of gearshift, gearshift-deepspeed,
+#   PYTHON=.venv/bin/python tools/gpu/deepspeed_h200.sh wheels   here, with PyPI: wheels of gearshift, gearshift-deepspeed,
 #                                               DeepSpeed 0.19.8 (pure Python, no ops) and what it imports
-#                                               that the H200 image lacks, into .whl/ (cp312 manylinux)
+#                                               that the H200 image lacks, into .whl-deepspeed/ (cp312 manylinux)
 #   tools/gpu/deepspeed_h200.sh conformance|bench|bench-large|tests|grpo|all [OUT]   on the GPU machine
+#                                               (the device tool's run with carry [".whl-deepspeed"])
 #
 # conformance: the suite, deepspeed (ZeRO-3, bf16 compute, fp32 master weights) + hf in bf16, 0.5B shape.
 # bench: `gearshift bench switch --train deepspeed --rollout hf` at the 0.5B shape (ZeRO-3 and ZeRO-2),
@@ -18,20 +19,22 @@ what=${1:?what to run}; out=${2:-${OUT:-/tmp/out}}
 
 if [ "$what" = wheels ]; then
   set -e
-  grep -qx '/.whl/' .git/info/exclude 2>/dev/null || echo '/.whl/' >> .git/info/exclude
-  rm -rf .whl && mkdir -p .whl
-  python3 -m pip wheel -q --no-deps packages/core packages/backend-deepspeed -w .whl
-  DS_BUILD_OPS=0 python3 -m pip wheel -q --no-deps --no-build-isolation deepspeed==0.19.8 -w .whl
-  python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
-    --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 -d .whl \
+  grep -qx '/.whl-deepspeed/' .git/info/exclude 2>/dev/null || echo '/.whl-deepspeed/' >> .git/info/exclude
+  rm -rf .whl-deepspeed && mkdir -p .whl-deepspeed
+  "${PYTHON:-python3}" -m pip wheel -q --no-deps packages/core packages/backend-deepspeed -w .whl-deepspeed
+  DS_BUILD_OPS=0 "${PYTHON:-python3}" -m pip wheel -q --no-deps --no-build-isolation deepspeed==0.19.8 -w .whl-deepspeed
+  # the core's config (gearshift train) reads OmegaConf; its parser runtime has no wheel on PyPI
+  "${PYTHON:-python3}" -m pip wheel -q --no-deps omegaconf==2.3.0 antlr4-python3-runtime==4.9.3 -w .whl-deepspeed
+  "${PYTHON:-python3}" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
+    --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 -d .whl-deepspeed \
     stevedore==5.10.0 hjson msgpack pydantic pydantic-core annotated-types typing-inspection py-cpuinfo einops
-  ls -la .whl
+  ls -la .whl-deepspeed
   exit 0
 fi
 
 mkdir -p "$out"
 if [ ! -d /tmp/site/gearshift_deepspeed ]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 1
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl-deepspeed/*.whl || exit 1
 fi
 export PYTHONPATH=/tmp/site:${PYTHONPATH:-} PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
 export GEARSHIFT_CACHE=/tmp/gscache CUBLAS_WORKSPACE_CONFIG=:4096:8 TORCH_CUDA_ARCH_LIST=9.0
