@@ -1,9 +1,22 @@
 #!/usr/bin/env bash
-# Builds the pure-Python wheels tools/gpu/h200_checks.sh installs on a machine with no network, into .whl/.
+# Builds the wheels the GPU scripts install on a machine with no network, into .whl/: gearshift and its
+# in-tree backends (pure Python), DeepSpeed 0.19.8 without ops, and what they import that the H200 image
+# lacks (stevedore, omegaconf and its parser runtime, DeepSpeed's small dependencies; pydantic comes with the
+# vLLM carry of ../shared/tools/vllm-on-h200).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 grep -qx '/.whl/' .git/info/exclude 2>/dev/null || echo '/.whl/' >> .git/info/exclude
 rm -rf .whl && mkdir -p .whl
-python3 -m pip wheel -q --no-deps packages/core packages/backend-fsdp packages/backend-vllm -w .whl
-python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 -d .whl stevedore==5.10.0
+py=${PYTHON:-$PWD/.venv/bin/python}
+# the committed tree, not the working one: what runs there is what `git log` shows
+src=$(mktemp -d) && trap 'rm -rf "$src"' EXIT
+git archive HEAD packages | tar -x -C "$src"
+"$py" -m pip wheel -q --no-deps "$src"/packages/core "$src"/packages/backend-fsdp "$src"/packages/backend-vllm \
+  "$src"/packages/backend-deepspeed -w .whl
+git rev-parse HEAD > .whl/COMMIT
+DS_BUILD_OPS=0 "$py" -m pip wheel -q --no-deps --no-build-isolation deepspeed==0.19.8 -w .whl
+"$py" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+  --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 -d .whl \
+  stevedore==5.10.0 omegaconf==2.3.0 hjson py-cpuinfo
+"$py" -m pip wheel -q --no-deps -w .whl antlr4-python3-runtime==4.9.3  # an sdist only: built here
 ls -la .whl

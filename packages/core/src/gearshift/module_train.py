@@ -14,6 +14,12 @@ Face folder through its own export. A sharding backend overrides hooks only:
 - `_build_optimizer() -> Optimizer`, `_backward(loss)`, `_clip_and_step() -> grad norm`.
 - `_state_tensors(tag)`: the local tensors behind an offload tag.
 - `save(path)` / `load(path)`: a resumable checkpoint (default: one file; needs one process).
+
+LoRA (`lora_r > 0`, through peft; see gearshift.lora) comes with the base: only the
+adapters train and hold optimizer state, the weight spec lists the base weights under
+their Hugging Face names and an export merges each adapter into its weight, so any
+rollout engine takes them unchanged. A subclass gets it through the hooks above; one that
+gathers weights itself (ZeRO-3) gathers `_export_parameters(names)`.
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ from torch import nn
 
 from . import dist as gdist
 from .hf import load_causal_lm, tied_aliases
+from .lora import LoraWeights, add_lora, hf_name, write_adapter
 from .mesh import Placement
 from .offload import HostStash
 from .options import option
@@ -71,6 +78,11 @@ class ModuleTrainEngine(TrainEngine):
         device: str | None = option(None, "device to train on (None: this rank's GPU if there is one, else the CPU)")
         betas: tuple[float, float] = option((0.9, 0.999), "AdamW betas")
         gradient_checkpointing: bool = option(False, "recompute activations during backward to save memory")
+        lora_r: int = option(0, "LoRA rank through peft (0: no LoRA, every weight trains)")
+        lora_alpha: int = option(16, "LoRA alpha: the adapter is scaled by alpha / r")
+        lora_dropout: float = option(0.0, "dropout on the adapters' input while training")
+        lora_target_modules: tuple[str, ...] = option(("all-linear",), "layers that get an adapter: names or "
+                                                                       "suffixes (q_proj, v_proj), or all-linear")
 
     def __init__(self, args: TrainArgs, options=None) -> None:
         super().__init__(args, options)
@@ -81,16 +93,27 @@ class ModuleTrainEngine(TrainEngine):
         torch.manual_seed(args.seed)
         self.hf_model = load_causal_lm(args.model, self.dtype, dropout=args.dropout)
         self.hf_model.config.use_cache = False
+        if opts.lora_r:
+            add_lora(self.hf_model, r=opts.lora_r, alpha=opts.lora_alpha, dropout=opts.lora_dropout,
+                     target_modules=opts.lora_target_modules)
         if opts.gradient_checkpointing:
             self.hf_model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         module = ValueHeadModel(self.hf_model) if args.value_head else self.hf_model
         aliases = tied_aliases(module)
+        #: with LoRA, the base weights under Hugging Face names, read merged with their adapters
+        self.lora = LoraWeights(module, hf_prefix="lm." if args.value_head else "") if opts.lora_r else None
         self.model = self._parallelize(module)
         self.optimizer = self._build_optimizer()
         self._params = dict(self._named_parameters())
+        self._frozen = [p for p in self.model.parameters() if not p.requires_grad]
+        exported = self._params
+        if self.lora is not None:
+            self.lora.bind()
+            exported = self.lora.base_parameters()
+            aliases = {hf_name(a): hf_name(t) for a, t in aliases.items()}
         self._spec = WeightSpec(self.mesh, tuple(
-            ParamSpec(n, tuple(p.shape), p.dtype, self._placement(n, p)) for n, p in self._params.items()
-        ), {a: t for a, t in aliases.items() if t in self._params})
+            ParamSpec(n, tuple(p.shape), p.dtype, self._placement(n, p)) for n, p in exported.items()
+        ), {a: t for a, t in aliases.items() if t in exported})
         self._stashes = {tag: HostStash() for tag in TRAIN_TAGS}  # kept: their host buffers are reused
 
     # --- hooks ----------------------------------------------------------------------------
@@ -132,7 +155,7 @@ class ModuleTrainEngine(TrainEngine):
     def _state_tensors(self, tag: str) -> list[torch.Tensor]:
         with torch.no_grad():
             if tag == "params":
-                return [self._local(p) for p in self._params.values()]
+                return [self._local(p) for p in (*self._params.values(), *self._frozen)]
             if tag == "grads":
                 return [self._local(p.grad) for p in self._params.values() if p.grad is not None]
             return [self._local(v) for st in self.optimizer.state.values() for v in st.values() if torch.is_tensor(v)]
@@ -143,7 +166,20 @@ class ModuleTrainEngine(TrainEngine):
 
     def local_weights(self, names: list[str]) -> dict[str, torch.Tensor]:
         self._need_onloaded(["params"], "export weights")
+        if self.lora is not None:  # each adapter merged into this rank's slice of its weight
+            base, rank = self.lora.base_parameters(), gdist.rank()
+            specs = self._spec.by_name()
+            return {n: self.lora.merged(n, self._local(base[n].detach()),
+                                        specs[n].placement.local_box(specs[n].shape, rank)) for n in names}
         return {n: self._local(self._params[n].detach()) for n in names}
+
+    def materialized(self, names: list[str]):
+        """With LoRA, the adapters of `names` gathered whole (they are small) while the bucket is read."""
+        return self.lora.gathered(names) if self.lora is not None else super().materialized(names)
+
+    def _export_parameters(self, names: list[str]) -> list[torch.Tensor]:
+        """The parameters an export of `names` reads (with LoRA: their bases and adapters)."""
+        return self.lora.parameters_read(names) if self.lora is not None else [self._params[n] for n in names]
 
     def _forward(self, batch: TrainBatch, with_entropy: bool) -> PolicyOutput:
         batch = batch.to(self.device)
@@ -282,24 +318,44 @@ class ModuleTrainEngine(TrainEngine):
                                       f"backend writes its own")
         self._need_onloaded(TRAIN_TAGS, "save a checkpoint")
         Path(path).mkdir(parents=True, exist_ok=True)
-        torch.save({"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict()},
+        model_state = self.model.state_dict()
+        if self.lora is not None:  # the frozen base is the model it was built from: the adapters are the state
+            trained = {n for n, p in self.model.named_parameters() if p.requires_grad}
+            model_state = {k: v for k, v in model_state.items() if k in trained}
+        torch.save({"model": model_state, "optimizer": self.optimizer.state_dict()},
                    os.path.join(path, "train_state.pt"))
 
     def load(self, path: str) -> None:
         self._need_onloaded(TRAIN_TAGS, "load a checkpoint")
         state = torch.load(os.path.join(path, "train_state.pt"), map_location=self.device, weights_only=True)
-        self.model.load_state_dict(state["model"])
+        if self.lora is not None:
+            missing, unexpected = self.model.load_state_dict(state["model"], strict=False)
+            trained = {n for n, p in self.model.named_parameters() if p.requires_grad}
+            if unexpected or trained & set(missing):
+                raise RuntimeError(f"{path} does not hold this engine's LoRA adapters: missing "
+                                   f"{sorted(trained & set(missing))[:3]}, unexpected {sorted(unexpected)[:3]} "
+                                   f"(same lora_r and lora_target_modules?)")
+        else:
+            self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
 
     def save_hf(self, path: str) -> None:
-        """Gather the full weights bucket by bucket through `export_weights`; rank 0 writes the folder."""
+        """Gather the full weights bucket by bucket through `export_weights`; rank 0 writes the folder.
+
+        With LoRA the folder holds the merged weights, and `path/adapter` the adapter alone in peft's
+        format (`PeftModel.from_pretrained(base, path/adapter)`, or vLLM's LoRA requests).
+        """
         rank = gdist.rank()
         state: dict[str, torch.Tensor] = {}
         for bucket in self.export_weights():
             if rank == 0:
                 state.update((k, v.detach().to("cpu", copy=True)) for k, v in bucket.items())
+        adapter = self.lora.adapter_state() if self.lora is not None else None  # every rank: it may gather
         if rank == 0:
             write_hf_folder(path, self.hf_model, state, self.args.model, value_head=self.args.value_head)
+            if adapter is not None:
+                write_adapter(os.path.join(path, "adapter"), adapter,
+                              self.lora.peft_config(self.hf_model, self.args.model))
         del state
         gdist.barrier()
 
@@ -307,6 +363,8 @@ class ModuleTrainEngine(TrainEngine):
         for stash in self._stashes.values():
             stash.close()
         self._params.clear()
+        self._frozen = []
+        self.lora = None
         self.optimizer = None
         self.model = self.hf_model = None
 

@@ -12,7 +12,7 @@ import hashlib
 import os
 from pathlib import Path
 
-from .tiny import ARCHS, PRESETS, build_model, build_tokenizer
+from .tiny import ARCHS, BF16_PRESETS, PRESETS, build_model, build_tokenizer
 
 
 def resolve_model(model: str, cache_dir: str | os.PathLike | None = None) -> str:
@@ -30,7 +30,7 @@ def resolve_model(model: str, cache_dir: str | os.PathLike | None = None) -> str
     root = Path(cache_dir or os.environ.get("GEARSHIFT_CACHE", Path.home() / ".cache" / "gearshift")) / "models"
     folder = root / f"{model}-{hashlib.sha1(model.encode()).hexdigest()[:8]}"
     if model in PRESETS:
-        return build_model(folder, preset=model)
+        return build_model(folder, preset=model, dtype="bfloat16" if model in BF16_PRESETS else "float32")
     preset, _, suffix = model.rpartition("-")
     if preset in PRESETS and suffix in ARCHS:
         return build_model(folder, preset=preset, arch=suffix)

@@ -48,7 +48,22 @@ def qwen2_0_5b() -> dict:
                 num_key_value_heads=2, head_dim=64, max_position_embeddings=4096, vocab_size=151936)
 
 
-PRESETS = {"tiny": tiny, "small": small, "bench100m": bench100m, "qwen2-0.5b": qwen2_0_5b}
+def qwen2_1_5b() -> dict:
+    """The shape of Qwen2-1.5B (random weights): GPU runs."""
+    return dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
+                num_key_value_heads=2, head_dim=128, max_position_embeddings=4096, vocab_size=151936)
+
+
+def qwen2_7b() -> dict:
+    """The shape of Qwen2-7B (random weights): GPU runs."""
+    return dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
+                num_key_value_heads=4, head_dim=128, max_position_embeddings=4096, vocab_size=152064)
+
+
+PRESETS = {"tiny": tiny, "small": small, "bench100m": bench100m, "qwen2-0.5b": qwen2_0_5b,
+           "qwen2-1.5b": qwen2_1_5b, "qwen2-7b": qwen2_7b}
+#: presets saved in bfloat16 (engines load them in the dtype they are asked for): half the bytes to write and read
+BF16_PRESETS = {"qwen2-1.5b", "qwen2-7b"}
 
 
 def build_tokenizer(path: str | os.PathLike):
