@@ -173,7 +173,7 @@ def median_report(reports: list[SwitchReport]) -> SwitchReport:
     if not reports:
         return SwitchReport()
     names = [p.name for p in reports[0].phases]
-    out = SwitchReport(reports[0].direction)
+    out = SwitchReport(reports[0].direction, notes=list(reports[-1].notes))
     for name in names:
         found = [r.phase(name) for r in reports if r.phase(name) is not None]
         out.phases.append(
