@@ -140,3 +140,42 @@ def test_lora_mistakes_are_clear_errors(gearshift_model):
     with pytest.raises(ValueError, match="tied to"):  # the tiny model's head is its embedding
         TorchTrainEngine.build(gearshift_model, lora_r=4, lora_target_modules=["lm_head"])
 
+
+def test_grpo_with_lora_checkpoints_resumes_and_exports(gearshift_model, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from gearshift import Trainer
+    from gearshift.rl.checkpoint import latest
+
+    def reward(completion):  # a random model earns it too, so advantages are not all zero
+        return len(completion) / 3
+
+    sections = dict(rollout={"n": 4, "max_tokens": 3, "backend": "hf"}, train={"backend": "torch", "lr": 1e-2},
+                    run={"steps": 2, "prompts_per_step": 4, "output_dir": str(tmp_path / "run"),
+                         "checkpoint_every": 1, "progress": False, "samples_per_step": 0, "tensorboard": False,
+                         "plot": False, "resume": "auto"})
+    first = Trainer(model={"path": gearshift_model, "lora": {"r": 4, "alpha": 8}}, reward=reward, **sections)
+    history = first.train()
+    assert history[0]["mismatch/logprob_max"] < 1e-4  # the merged weights the rollout got agree with training
+    state = torch.load(latest(tmp_path / "run" / "checkpoints") / "policy" / "train_state.pt", weights_only=True)
+    assert state["model"] and all(".lora_" in k for k in state["model"])
+    first.save(str(tmp_path / "export"))
+    assert (tmp_path / "export" / "adapter" / "adapter_model.safetensors").exists()
+    merged = AutoModelForCausalLM.from_pretrained(str(tmp_path / "export"))
+    policy = first.controller.policy
+    torch.testing.assert_close(dict(merged.named_parameters())["model.layers.0.self_attn.q_proj.weight"],
+                               full_weights(policy)["model.layers.0.self_attn.q_proj.weight"])
+    sections["run"]["steps"] = 3
+    resumed = Trainer(model={"path": gearshift_model, "lora": {"r": 4, "alpha": 8}}, reward=reward, **sections)
+    assert len(resumed.train()) == 1 and resumed.controller.step == 3  # went on from step 2
+
+
+def test_lora_config_keys_and_mistakes():
+    from gearshift.rl.config import ConfigError, load_config
+
+    cfg = load_config(None, ["model.lora.r=8", "model.lora.alpha=32", "model.lora.target_modules=[q_proj,v_proj]"])
+    assert cfg.model.lora.train_options() == {"lora_r": 8, "lora_alpha": 32, "lora_dropout": 0.0,
+                                              "lora_target_modules": ["q_proj", "v_proj"]}
+    assert load_config(None, []).model.lora.train_options() == {}  # r=0: the trainer gets no LoRA option
+    with pytest.raises(ConfigError, match=r"model.lora.r=-1.*\n.*model.lora.dropout=1.5"):
+        load_config(None, ["model.lora.r=-1", "model.lora.dropout=1.5"]).validate()

@@ -4,6 +4,7 @@ format-warmed models of the built-in tasks.
     path = resolve_model("tiny")         # a preset, built once under $GEARSHIFT_CACHE (~/.cache/gearshift)
     path = resolve_model("tiny-gpt2")    # the same size in another architecture
     path = resolve_model("small-add")    # the 'small' preset after a format warm-up on the 'add' task
+    path = resolve_model("tiny-add-rm")  # a reward model: the 'tiny' shape taught the 'add' task's reward
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import hashlib
 import os
 from pathlib import Path
 
+from .reward import build_reward_model
 from .tiny import ARCHS, BF16_PRESETS, PRESETS, build_model, build_tokenizer
 
 
@@ -21,7 +23,9 @@ def resolve_model(model: str, cache_dir: str | os.PathLike | None = None) -> str
     Presets: 'tiny', 'small', 'bench100m', 'qwen2-0.5b' (random weights, Qwen2 architecture);
     '<preset>-<arch>' for another architecture ('tiny-gpt2', 'tiny-llama', ...); and
     '<preset>-<task>' such as 'small-add': the preset after a short format warm-up on a
-    built-in task (see `gearshift.models.warmup`).
+    built-in task (see `gearshift.models.warmup`). Reward models (`AutoModelForSequenceClassification`,
+    one output): '<preset>-rm' (random weights) and '<preset>-<task>-rm', taught to predict the
+    task's reward (see `gearshift.models.reward`).
     """
     from ..rl.tasks import TASKS
 
@@ -32,6 +36,14 @@ def resolve_model(model: str, cache_dir: str | os.PathLike | None = None) -> str
     if model in PRESETS:
         return build_model(folder, preset=model, dtype="bfloat16" if model in BF16_PRESETS else "float32")
     preset, _, suffix = model.rpartition("-")
+    if suffix == "rm":
+        base, _, task = preset.rpartition("-")
+        if preset in PRESETS:
+            return build_reward_model(folder, preset)
+        if base in PRESETS and task in TASKS:
+            from .warmup import TASK_MODEL_OPTIONS
+
+            return build_reward_model(folder, base, task=task, **TASK_MODEL_OPTIONS.get(task, {}))
     if preset in PRESETS and suffix in ARCHS:
         return build_model(folder, preset=preset, arch=suffix)
     if preset in PRESETS and suffix in TASKS:
@@ -41,8 +53,8 @@ def resolve_model(model: str, cache_dir: str | os.PathLike | None = None) -> str
     raise ValueError(
         f"model {model!r} is neither a folder nor a preset; presets: {sorted(PRESETS)}, "
         f"'<preset>-<arch>' with an architecture from {list(ARCHS)}, or '<preset>-<task>' with a task from "
-        f"{sorted(TASKS)}"
+        f"{sorted(TASKS)}; reward models '<preset>-rm' and '<preset>-<task>-rm'"
     )
 
 
-__all__ = ["ARCHS", "PRESETS", "build_model", "build_tokenizer", "resolve_model"]
+__all__ = ["ARCHS", "PRESETS", "build_model", "build_reward_model", "build_tokenizer", "resolve_model"]

@@ -22,10 +22,26 @@ class ConfigError(ValueError):
 
 
 @dataclass
+class LoraConfig:
+    r: int = 0  # LoRA rank (through peft); 0: no LoRA, every weight trains
+    alpha: int = 16  # the adapters are scaled by alpha / r
+    dropout: float = 0.0  # dropout on the adapters' input while training
+    target_modules: list[str] = field(default_factory=lambda: ["all-linear"])  # names/suffixes, or all-linear
+
+    def train_options(self) -> dict[str, Any]:
+        """The options a trainer built on `ModuleTrainEngine` takes for this (none when r is 0)."""
+        if not self.r:
+            return {}
+        return {"lora_r": self.r, "lora_alpha": self.alpha, "lora_dropout": self.dropout,
+                "lora_target_modules": list(self.target_modules)}
+
+
+@dataclass
 class ModelConfig:
     path: str = "small-add"  # a folder, or a preset built locally ('tiny', 'small', 'small-add', ...)
     dtype: str = "float32"
     dropout: bool = False  # train with the model's dropout; off by default: an on-policy update with it is off-policy
+    lora: LoraConfig = field(default_factory=LoraConfig)  # train LoRA adapters only; the rollout gets merged weights
 
 
 @dataclass
@@ -99,13 +115,22 @@ class AlgorithmConfig:
 
 @dataclass
 class RewardConfig:
-    fn: str | None = None  # 'module:fn' or 'path/to/file.py:fn'; None: the built-in task's own reward
+    fn: str | None = None  # 'module:fn' or 'path/to/file.py:fn'; None: the built-in task's own reward (no model)
+    model: str | None = None  # a reward model: a folder or preset ('small-add-rm') of a one-output classifier
+    weights: list[float] = field(default_factory=lambda: [1.0, 1.0])  # [fn, model] when a model scores
+    model_batch_size: int = 32  # completions per reward-model forward
+
 
     def resolved(self, data: "DataConfig") -> str:
         """The reward to load: `fn`, or the one that grades the built-in task (`validate` checks there is one)."""
         from .tasks import TASK_REWARDS
 
         return self.fn or TASK_REWARDS[data.task]
+
+    def rule(self, data: "DataConfig") -> str | None:
+        """The rule reward that takes part: `fn`; with no `fn`, the built-in task's own unless a model scores."""
+        return self.fn if self.fn or self.model else self.resolved(data)
+
 
 
 @dataclass
@@ -166,7 +191,7 @@ class Config:
         if not self.data.path and self.data.task not in TASKS:
             problems.append(f"data.task={self.data.task!r}: built-in tasks are {', '.join(TASKS)} "
                             f"(or set data.path to a jsonl/parquet file)")
-        if self.data.path and not self.reward.fn and not reward_given:
+        if self.data.path and not self.reward.fn and not self.reward.model and not reward_given:
             problems.append("reward.fn is not set: a dataset (data.path) needs a reward, e.g. "
                             "reward.fn=my_rewards.py:score")
         if sw.share not in ("auto", "on", "off"):
@@ -216,6 +241,7 @@ class Config:
                     problems.append(f"{key}: {err}")
         if run.steps < 1:
             problems.append(f"run.steps={run.steps} must be >= 1")
+        problems += self._lora_and_reward_model_problems()
         if run.resume not in ("auto", "never") and not os.path.isdir(run.resume):
             problems.append(f"run.resume={run.resume!r}: use 'auto', 'never' or an existing checkpoint folder")
         if problems:
@@ -228,6 +254,24 @@ class Config:
         if text in ("auto", ""):
             return "auto"
         return [] if text == "none" else [t.strip() for t in text.split(",") if t.strip()]
+
+    def _lora_and_reward_model_problems(self) -> list[str]:
+        lora, rw = self.model.lora, self.reward
+        problems = []
+        if lora.r < 0:
+            problems.append(f"model.lora.r={lora.r} must be >= 0 (0: no LoRA)")
+        if lora.r and lora.alpha <= 0:
+            problems.append(f"model.lora.alpha={lora.alpha} must be > 0")
+        if not 0 <= lora.dropout < 1:
+            problems.append(f"model.lora.dropout={lora.dropout} must be in [0, 1)")
+        if lora.r and not lora.target_modules:
+            problems.append("model.lora.target_modules is empty: name layers (e.g. [q_proj, v_proj]) or use "
+                            "[all-linear]")
+        if len(rw.weights) != 2:
+            problems.append(f"reward.weights={rw.weights}: give two weights, for [fn, model]")
+        if rw.model_batch_size < 1:
+            problems.append(f"reward.model_batch_size={rw.model_batch_size} must be >= 1")
+        return problems
 
     def sampling(self, seed: int | None = None):
         """The rollout section as `SamplingParams` (raises `RolloutError` on bad values)."""

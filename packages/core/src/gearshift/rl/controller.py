@@ -62,17 +62,21 @@ class Controller:
         self.model_path = gdist.broadcast_object(self.model_path)
         self._check_context(AutoConfig.from_pretrained(self.model_path))
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
-        self.reward_fn = load_reward(reward_fn or cfg.reward.resolved(cfg.data))
+        rule = reward_fn or cfg.reward.rule(cfg.data)  # none when a reward model alone scores
+        self.reward_fn = load_reward(rule) if rule else None
         self.data = dataset if dataset is not None else PromptDataset.from_config(cfg.data)
-        self.reward_fn.check_columns(self.data.columns)  # a missing column fails now, not after a rollout
+        if self.reward_fn is not None:
+            self.reward_fn.check_columns(self.data.columns)  # a missing column fails now, not after a rollout
         self.data.bind(self.tokenizer, max_prompt_len=cfg.data.max_prompt_len)
         t, r, sw = cfg.train, cfg.rollout, cfg.switch
         common = dict(model=self.model_path, dtype=cfg.model.dtype, seed=cfg.run.seed)
         train_opts = {**common, "mesh": t.mesh or None, "lr": t.lr, "weight_decay": t.weight_decay,
                       "max_grad_norm": t.max_grad_norm, "micro_batch_size": t.micro_batch_size or None,
                       "max_tokens_per_micro_batch": t.max_tokens_per_micro_batch or None,
-                      "dropout": cfg.model.dropout, **t.options}
+                      "dropout": cfg.model.dropout, **cfg.model.lora.train_options(), **t.options}
         self.policy = registry.create("train", t.backend, **train_opts)
+        self.reward_model = self._reward_model() if cfg.reward.model else None
+        self._reward_metrics: dict[str, float] = {}
         rollout = registry.create("rollout", r.backend, **common, mesh=r.mesh or None,
                                   max_model_len=r.max_model_len, **r.options)
         if rollout.max_model_len < cfg.data.max_prompt_len + r.max_tokens:
@@ -100,6 +104,16 @@ class Controller:
                                     wandb_project=cfg.run.wandb_project, config=cfg.to_dict(),
                                     enabled=self.rank == 0)
         self._maybe_resume()
+
+    def _reward_model(self):
+        """The learned reward of `reward.model`, on the policy's device (built once, by rank 0, if a preset)."""
+        from ..models import resolve_model
+        from .reward_model import RewardModel
+
+        cfg = self.config
+        path = gdist.broadcast_object(resolve_model(cfg.reward.model) if self.rank == 0 else None)
+        return RewardModel(path, device=self.policy.device, dtype=self.policy.args.torch_dtype,
+                           batch_size=cfg.reward.model_batch_size)
 
     def _check_context(self, model_config) -> None:
         """Prompt and completion must fit the model's context before anything is built."""
@@ -175,7 +189,7 @@ class Controller:
             "rollout/tokens_per_s": gen_tokens / max(times["time/rollout"], 1e-9),
             "time/switch_to_rollout": switch_in.seconds, "time/switch_to_train": switch_out.seconds,
             **{f"switch/{p.name}": p.seconds for p in switch_in.phases + switch_out.phases},
-            "memory/peak_gb": peak_memory_bytes() / 2**30, **times,
+            "memory/peak_gb": peak_memory_bytes() / 2**30, **times, **self._reward_metrics,
         })
         metrics = gdist.average_metrics(metrics)
         metrics["time/step"] = time.perf_counter() - step_start
@@ -185,16 +199,29 @@ class Controller:
         return metrics
 
     def _score(self, rollouts: list[Rollout], rows: list[dict]) -> tuple[list[Rollout], list[float]]:
-        kept, rewards = [], []
         for x in rollouts:
-            text = x.text if x.text is not None else self.tokenizer.decode(x.token_ids, skip_special_tokens=True)
-            x.text = text
-            row = {k: v for k, v in rows[x.prompt_index].items() if k != "prompt_ids"}
-            value = self.reward_fn(text, **row)  # checked: a finite float, or None to drop the sample
-            if value is not None:
-                kept.append(x)
-                rewards.append(value)
-        return kept, rewards
+            if x.text is None:
+                x.text = self.tokenizer.decode(x.token_ids, skip_special_tokens=True)
+        values = None
+        if self.reward_fn is not None:  # checked: a finite float, or None to drop the sample
+            values = [self.reward_fn(x.text, **{k: v for k, v in rows[x.prompt_index].items() if k != "prompt_ids"})
+                      for x in rollouts]
+        if self.reward_model is not None:
+            values = self._with_reward_model(rollouts, rows, values)
+        kept = [(x, v) for x, v in zip(rollouts, values) if v is not None]
+        return [x for x, _ in kept], [v for _, v in kept]
+
+    def _with_reward_model(self, rollouts: list[Rollout], rows: list[dict], rule: list | None) -> list:
+        """The reward model's scores, weighed with the rule reward's (`reward.weights`: [fn, model])."""
+        from .reward_model import combine
+
+        start = time.perf_counter()
+        prompts = [rows[x.prompt_index][self.config.data.prompt_key] for x in rollouts]
+        learned = self.reward_model.score(prompts, [x.text for x in rollouts])
+        self._reward_metrics = {"time/reward_model": time.perf_counter() - start, "reward/model_mean": _mean(learned)}
+        if rule is not None:
+            self._reward_metrics["reward/fn_mean"] = _mean([v for v in rule if v is not None])
+        return combine(rule, learned, self.config.reward.weights)
 
     def _learn(self, kept: list[Rollout], rewards: list[float], timed) -> dict[str, float]:
         cfg, a = self.config, self.config.algorithm

@@ -8,7 +8,7 @@
 from __future__ import annotations
 
 import argparse
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 
 from .config import Config, build_config, load_config
@@ -17,18 +17,24 @@ from .config import Config, build_config, load_config
 class Trainer:
     """A run from a model, a reward and a dataset; anything else comes from the config defaults.
 
-    `reward` is a callable `(completion, **row) -> float | None` or its name
-    ('module:fn', 'file.py:fn'); `dataset` a jsonl/parquet path or a
-    `PromptDataset`; `sections` override config sections, e.g.
-    `algorithm={"name": "ppo"}, run={"steps": 100}`.
+    `model` is a path or preset, or the whole model section
+    (`{"path": ..., "lora": {"r": 8}}`); `reward` is a callable
+    `(completion, **row) -> float | None`, its name ('module:fn', 'file.py:fn'),
+    or the whole reward section (`{"model": "path/to/rm", "weights": [1, 0.5]}`);
+    `dataset` a jsonl/parquet path or a `PromptDataset`; `sections` override
+    config sections, e.g. `algorithm={"name": "ppo"}, run={"steps": 100}`.
     """
 
-    def __init__(self, model: str | None = None, reward: str | Callable | None = None, dataset: Any = None,
-                 config: Config | None = None, **sections: dict) -> None:
+    def __init__(self, model: str | Mapping | None = None, reward: str | Callable | Mapping | None = None,
+                 dataset: Any = None, config: Config | None = None, **sections: dict) -> None:
         extra: dict = {k: dict(v) for k, v in sections.items()}
-        if model is not None:
+        if isinstance(model, Mapping):
+            extra.setdefault("model", {}).update(model)
+        elif model is not None:
             extra.setdefault("model", {})["path"] = model
-        if isinstance(reward, str):
+        if isinstance(reward, Mapping):
+            extra.setdefault("reward", {}).update(reward)
+        elif isinstance(reward, str):
             extra.setdefault("reward", {})["fn"] = reward
         if isinstance(dataset, str):
             extra.setdefault("data", {})["path"] = dataset
