@@ -38,7 +38,7 @@ case "$what" in
             run.progress=false run.samples_per_step=0 algorithm.entropy_coef=0.01 rollout.max_tokens=16
             'rollout.options={"gpu_memory_utilization": 0.3}' run.tensorboard=false run.plot=false)
     timeout 250 python3 -m gearshift train model.path=qwen2-0.5b "${common[@]}" run.steps=8 \
-      run.output_dir="$out/grpo-0.5b" rollout.dtype=bfloat16 2>&1 | quiet | tail -6
+      run.output_dir="$out/grpo-0.5b" model.dtype=bfloat16 2>&1 | quiet | tail -6
     timeout 300 python3 -m gearshift train model.path=qwen2-7b model.dtype=bfloat16 "${common[@]}" run.steps=5 \
       run.output_dir="$out/grpo-7b" 2>&1 | quiet | tail -6
     python3 - "$out" <<'EOF'

@@ -43,6 +43,7 @@ class SwitchBench:
     naive: SwitchReport
     copy_s: float
     engine_load_s: float
+    pcie_s: float | None = None  # the same bytes from pinned host memory to the device (GPU only)
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -69,7 +70,7 @@ class SwitchBench:
         return {
             "train": self.train, "rollout": self.rollout, "model": self.model, "bytes": self.bytes,
             "shared": self.shared, "sync_s": self.sync_s, "naive_s": self.naive_s, "copy_s": self.copy_s,
-            "engine_load_s": self.engine_load_s, **self.ratios(),
+            "engine_load_s": self.engine_load_s, "pcie_s": self.pcie_s, **self.ratios(),
             "to_rollout": self.to_rollout.to_dict(), "to_train": self.to_train.to_dict(),
             "naive": self.naive.to_dict(), **self.extra,
         }
@@ -89,6 +90,9 @@ class SwitchBench:
             f"{'own load (the engine alone)':<38}{self.engine_load_s:10.4f} s  "
             f"sync is {r['sync_over_engine_load']:.2f}x",
         ]
+        if self.pcie_s is not None:
+            lines.append(f"{'PCIe (pinned host to device)':<38}{self.pcie_s:10.4f} s  "
+                         f"sync is {self.sync_s / self.pcie_s:.2f}x")
         return "\n".join(lines)
 
     def plot(self, path: str | Path) -> bool:
@@ -156,14 +160,17 @@ def _exchange(plan, device: torch.device):
 
 def measure_pair(train, rollout, switches: int = 5, naive_switches: int = 3, naive_dir: str | None = None,
                  progress: bool = False, labels: tuple[str, str, str] = ("", "", ""),
-                 share: bool | None = None) -> SwitchBench:
+                 share: bool | None = None, offload: str | list[str] = "auto") -> SwitchBench:
     """Switch a built pair `switches` times, then the baselines on the same engines; return the medians.
 
     `share` goes to `StreamingResharder`: None shares the trainer's tensors when the pair can.
+    `offload` goes to `HybridActor`: "auto" moves only what memory asks for (with no training
+    between switches, a GPU keeps the rollout engine awake); tags force the full switch, the rollout
+    engine put to sleep and woken every time.
     """
     from tqdm import tqdm
 
-    actor = HybridActor(train, rollout, StreamingResharder(share=share))
+    actor = HybridActor(train, rollout, StreamingResharder(share=share), offload=offload)
     bar = tqdm(total=switches + naive_switches + 1, desc="switches", disable=not progress or gdist.rank() != 0)
     actor.to_rollout()  # warm-up: first-touch allocations are not what a steady run pays
     actor.to_train()
@@ -192,13 +199,19 @@ def measure_pair(train, rollout, switches: int = 5, naive_switches: int = 3, nai
     dst = [torch.empty_like(t) for t in src]
     exchange = _exchange(plan, src[0].device if src else train.device)
     copy_s = _median_seconds(lambda: ([d.copy_(s) for d, s in zip(dst, src)], exchange()), max(switches, 3))
+    pcie_s = None
+    if src and src[0].device.type == "cuda":  # what a sync that kept the weights in host memory would pay
+        host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t) for t in src]
+        pcie_s = _median_seconds(lambda: [d.copy_(h, non_blocking=True) for d, h in zip(dst, host)], max(switches, 3))
+        del host
     return SwitchBench(*labels, plan.bytes_received(gdist.rank()), median_report(ups), median_report(downs),
-                       median_report(naive), copy_s, engine_load_s)
+                       median_report(naive), copy_s, engine_load_s, pcie_s)
 
 
 def measure_switch(train_name: str, rollout_name: str, model: str, switches: int = 5, naive_switches: int = 3,
                    train_options: dict | None = None, rollout_options: dict | None = None,
-                   naive_dir: str | None = None, progress: bool = True, share: bool | None = None) -> SwitchBench:
+                   naive_dir: str | None = None, progress: bool = True, share: bool | None = None,
+                   offload: str | list[str] = "auto") -> SwitchBench:
     """Build the pair on `model` (a folder or preset) and measure it with `measure_pair`."""
     from .models import resolve_model
 
@@ -208,7 +221,7 @@ def measure_switch(train_name: str, rollout_name: str, model: str, switches: int
     rollout = registry.create("rollout", rollout_name, model=path, **(rollout_options or {}))
     try:
         return measure_pair(train, rollout, switches, naive_switches, naive_dir, progress,
-                            (train_name, rollout_name, model), share)
+                            (train_name, rollout_name, model), share, offload)
     finally:
         train.close()
         rollout.close()
@@ -223,6 +236,9 @@ def _switch_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--share", choices=SHARE_CHOICES, default="auto",
                    help="serve rollout from the trainer's tensors: auto (when the pair can; default), "
                         "on (fail if it cannot), off (always copy)")
+    p.add_argument("--offload", default="auto",
+                   help="auto (move only what memory asks for; default), none, or tags to move every switch "
+                        "(e.g. optimizer,grads: the rollout engine then sleeps and wakes every switch)")
     p.add_argument("--train-options", default="{}", help="JSON options for the train engine")
     p.add_argument("--rollout-options", default="{}", help="JSON options for the rollout engine")
     p.add_argument("--out", default="runs/bench", help="folder for the JSON and PNG (default runs/bench)")
@@ -231,14 +247,22 @@ def _switch_args(p: argparse.ArgumentParser) -> None:
 SHARE_CHOICES = {"auto": None, "on": True, "off": False}
 
 
+def _offload_arg(text: str) -> str | list[str]:
+    text = text.strip()
+    if text == "auto":
+        return "auto"
+    return [] if text == "none" else [t.strip() for t in text.split(",") if t.strip()]
+
+
 def bench_switch(args: argparse.Namespace) -> int:
     bench = measure_switch(args.train, args.rollout, args.model, args.switches, args.naive_switches,
                            json.loads(args.train_options), json.loads(args.rollout_options),
-                           share=SHARE_CHOICES[args.share])
+                           share=SHARE_CHOICES[args.share], offload=_offload_arg(args.offload))
     if gdist.rank() == 0:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
-        stem = f"switch-{args.train}-{args.rollout}" + ("-copy" if args.share == "off" else "")
+        stem = (f"switch-{args.train}-{args.rollout}" + ("-copy" if args.share == "off" else "")
+                + ("" if args.offload == "auto" else "-" + args.offload.replace(",", "+")))
         (out / f"{stem}.json").write_text(json.dumps(bench.to_dict(), indent=2))
         bench.plot(out / f"{stem}.png")
         print(bench.table())
