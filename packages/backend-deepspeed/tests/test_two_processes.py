@@ -3,8 +3,8 @@
 One launch for all of them (a torchrun start costs seconds). Checkpoints cross
 dp sizes both ways: one written here in one process is resumed by the two, and
 one the two wrote is resumed here, in one (through DeepSpeed's universal
-checkpoints). The vLLM pair joins the launch with --runslow (two vLLM engines
-on a small machine take minutes).
+checkpoints). LoRA and the vLLM pair join the launch with --runslow (minutes
+more on a small machine).
 """
 
 import os
@@ -31,7 +31,9 @@ BUDGET = ["--gearshift-budget", "m=1.0"]
 # is a multiple of counts no exchange (0.04 ms here against syncs of 30-107 ms, all of it gathering), and
 # the naive resharder gathers the same way. Until the baseline counts the gather, its latency budget
 # measures gloo on a busy machine; the figures are printed by the other tests.
-DESELECT = ["-k", "not (TestZero3WithHFRollout and test_switch_latency_within_budget)"]
+DESELECT = ["-k", "not (Zero3 and HFRollout and test_switch_latency_within_budget)"]
+# with --runslow: LoRA at ZeRO-3 across ranks (bases and factors gathered per bucket), and the vLLM pair
+SLOW_MODULES = ["test_lora.py", "test_vllm.py"]
 
 
 def free_port() -> int:
@@ -88,7 +90,7 @@ def two_process_run(tmp_path_factory, gearshift_model, request):
     torch.save({"weights": weights, "next_loss": engine.train_step(fixed_batch(), nll)["loss"]},
                handoff / "one" / "expected.pt")
     engine.close()
-    modules = MODULES + (["test_vllm.py"] if request.config.getoption("--runslow") else [])
+    modules = MODULES + (SLOW_MODULES if request.config.getoption("--runslow") else [])
     proc, outputs = launch(2, root, {"GEARSHIFT_DEEPSPEED_HANDOFF": str(handoff)}, modules)
     return proc, outputs, handoff
 

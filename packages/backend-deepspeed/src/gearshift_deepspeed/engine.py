@@ -68,9 +68,10 @@ class DeepSpeedTrainEngine(ModuleTrainEngine):
         self.can_lend_weights = self.zero_stage < 3
         super().__init__(args, options)
         if self.zero_stage == 3:  # the base read the parameters' local shapes, which are empty at stage 3
+            exported = self.lora.base_parameters() if self.lora is not None else self._params
             self._spec = dataclasses.replace(self._spec, params=tuple(
-                dataclasses.replace(p, shape=tuple(self._params[p.name].ds_shape)) for p in self._spec.params))
-        self._offloader = ZeroOffloader(self.ds)
+                dataclasses.replace(p, shape=tuple(exported[p.name].ds_shape)) for p in self._spec.params))
+        self._offloader = ZeroOffloader(self.ds, frozen=self._frozen)
 
     # --- sharding hooks -------------------------------------------------------------------
     def _check_mesh(self) -> None:
@@ -110,11 +111,23 @@ class DeepSpeedTrainEngine(ModuleTrainEngine):
         return float(self.ds.get_global_grad_norm())
 
     def materialized(self, names: list[str]) -> AbstractContextManager:
-        """At stage 3, the parameters of `names` gathered whole on every rank until the context closes."""
+        """At stage 3, the parameters an export of `names` reads (with LoRA: bases and adapters) gathered
+        whole on every rank until the context closes; those a surrounding gather holds already are left be."""
         if self.zero_stage < 3:
-            return nullcontext()
+            return super().materialized(names)
         self._need_onloaded(["params"], "export weights")
-        return import_deepspeed().zero.GatheredParameters([self._params[n] for n in names])
+        deepspeed = import_deepspeed()
+        unavailable = deepspeed.runtime.zero.partition_parameters.ZeroParamStatus.NOT_AVAILABLE
+        return deepspeed.zero.GatheredParameters([p for p in self._export_parameters(names)
+                                                  if p.ds_status == unavailable])
+
+    def save_hf(self, path: str) -> None:
+        """As the base writes it; at stage 3 with LoRA, the adapters (small) gathered for the adapter folder."""
+        if self.zero_stage < 3 or self.lora is None:
+            return super().save_hf(path)
+        factors = [f for n in self.lora.adapted() for f in self.lora.parameters_read([n])[1:]]
+        with import_deepspeed().zero.GatheredParameters(factors):
+            super().save_hf(path)
 
     # --- interface ------------------------------------------------------------------------
     def offload(self, tags: Sequence[str] = TRAIN_TAGS) -> int:

@@ -13,7 +13,11 @@ pinned staging copies, caches), and `reload_states` brings back everything it
 moved. Where DeepSpeed refuses a kind (ZeRO-3 moves master weights and Adam
 state only for its FusedAdam; nothing moves while it offloads parameters itself),
 the tensors behind it go to a `HostStash` instead: storages copied out and freed
-in place, so the optimizer keeps the same tensor objects. Either way the round
+in place, so the optimizer keeps the same tensor objects. Frozen weights (LoRA's
+base) lie outside ZeRO-1/2's flat groups, so the stash takes them with `params`;
+at ZeRO-3 DeepSpeed's move of `lp_params` breaks on them (it maps every
+parameter's partition into a buffer that holds only the trainable ones), so the
+stash takes every partition there. Either way the round
 trip is bit-exact. Bytes are what leaves (or returns to) the device: on a CPU
 the state already lives in host memory, DeepSpeed's bookkeeping runs but copies
 nothing, and the count is 0.
@@ -36,9 +40,10 @@ TAG_STATES: dict[str, tuple[str, ...]] = {
 class ZeroOffloader:
     """Offload and onload of one DeepSpeed engine's state, tag by tag."""
 
-    def __init__(self, engine) -> None:
+    def __init__(self, engine, frozen: Sequence[torch.Tensor] = ()) -> None:
         self.engine = engine
         self.device = torch.device(engine.device)
+        self._frozen = list(frozen)  # parameters that train not (LoRA's base): outside ZeRO-1/2's flat groups
         self._away: set[str] = set()
         self._stashes: dict[str, HostStash] = {}
 
@@ -57,8 +62,7 @@ class ZeroOffloader:
             self._offload_states(kinds)
         for tag in new:
             stash = HostStash()
-            stash.offload(t for k in TAG_STATES[tag] if not self._deepspeed_moves(k)
-                          for t in self._tensors(k) if t.device.type != "cpu")
+            stash.offload(t for k in TAG_STATES[tag] for t in self._stashed(k) if t.device.type != "cpu")
             self._stashes[tag] = stash
         self._away.update(new)
         return max(before - self._allocated(), 0)
@@ -87,6 +91,9 @@ class ZeroOffloader:
             return False  # "Moving states across devices is not supported for offloaded parameters"
         if self.engine.zero_optimization_stage() == 3 and kind in ("hp_params", "optim_states"):
             return type(self.engine.optimizer.optimizer).__name__ == "FusedAdam"
+        if self.engine.zero_optimization_stage() == 3 and kind == "lp_params" and self._frozen:
+            # its lp buffer holds the trainable partitions, but the move maps every parameter into it
+            return False
         return True
 
     def _offload_states(self, kinds: list[str]) -> None:
@@ -96,15 +103,26 @@ class ZeroOffloader:
         self.engine.offload_states(include=[OffloadStateTypeEnum(k) for k in kinds], device=OffloadDeviceEnum.cpu,
                                    pin_memory=self.device.type == "cuda", non_blocking=False)
 
+    def _stashed(self, kind: str) -> list[torch.Tensor]:
+        """The tensors of a kind that go to the stash: all of them where DeepSpeed will not move the kind;
+        else those outside its buffers (frozen weights at ZeRO-1/2)."""
+        if not self._deepspeed_moves(kind):
+            return self._tensors(kind)
+        return self._tensors(kind) if kind == "lp_params" and self.engine.zero_optimization_stage() < 3 else []
+
     def _tensors(self, kind: str) -> list[torch.Tensor]:
-        """The tensors behind a kind DeepSpeed will not move (the optimizer's, at ZeRO-3)."""
+        """The tensors behind a kind, where the engine can name them."""
         zero = self.engine.optimizer
         if kind == "hp_params":
             flat = getattr(zero, "fp32_partitioned_groups_flat", None)
             return list(flat if flat is not None else zero.single_partition_of_fp32_groups)
         if kind == "optim_states":
             return [v for st in zero.optimizer.state.values() for v in st.values() if torch.is_tensor(v)]
-        return []  # the weights and gradient buffers stay where DeepSpeed keeps them
+        if kind == "lp_params":
+            if self.engine.zero_optimization_stage() == 3:  # every parameter's partition, frozen ones too
+                return [p.ds_tensor for p in self.engine.module.parameters()]
+            return [p.data for p in self._frozen]  # outside ZeRO-1/2's flat groups
+        return []  # gradient buffers stay where DeepSpeed keeps them
 
     def _allocated(self) -> int:
         if self.device.type != "cuda":
