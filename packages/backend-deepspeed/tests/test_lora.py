@@ -2,7 +2,8 @@
 
 At stage 3 the frozen base weights are partitioned like any other, so an export gathers
 each bucket's bases and their adapters' factors, and save_hf gathers the factors for the
-adapter folder. Runs in one process here and with two under torchrun (test_two_processes.py).
+adapter folder. Runs in one process here and with two under torchrun (test_two_processes.py,
+--runslow); the suite and the pair with LoRA are slow.
 """
 
 import json
@@ -31,6 +32,7 @@ def hf_logprobs(model, batch) -> torch.Tensor:
     return token_logprobs(out.logits, batch.input_ids).logprobs
 
 
+@pytest.mark.slow
 class TestZero3LoraTrain(TrainEngineSuite):
     train_backend = DeepSpeedTrainEngine
 
@@ -39,6 +41,7 @@ class TestZero3LoraTrain(TrainEngineSuite):
         return lambda **kw: DeepSpeedTrainEngine.build(gearshift_model, **{"zero_stage": 3, **LORA, **kw})
 
 
+@pytest.mark.slow
 class TestZero3LoraWithHFRollout(PairSuite):
     train_backend, rollout_backend = DeepSpeedTrainEngine, HFRolloutEngine
 
