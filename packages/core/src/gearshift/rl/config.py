@@ -64,6 +64,7 @@ class RolloutConfig:
     max_tokens: int = 4
     stop: list[str] = field(default_factory=list)
     max_model_len: int | None = None  # context of the rollout engine; None: the model's own
+    dtype: str = ""  # dtype of the rollout engine's weights ('bfloat16', ...); empty: model.dtype, like training
     mesh: str = ""  # e.g. 'dp=2'; empty: dp = world size
     options: dict[str, Any] = field(default_factory=dict)  # the engine's own options ('gearshift backends NAME')
 
@@ -111,6 +112,9 @@ class AlgorithmConfig:
     lam: float = 0.95
     critic_lr: float = 1e-4
     value_clip: float = 0.2
+    rollout_correction: str = "none"  # none | tis | mis: correct for rollout/trainer probability gaps
+    rollout_correction_level: str = "token"  # token | sequence (product of ratios) | geometric (their mean)
+    rollout_correction_cap: float = 2.0  # C: tis weights min(ratio, C); mis keeps ratios in [1/C, C]
 
 
 @dataclass
@@ -172,8 +176,10 @@ class Config:
         """Raise `ConfigError` listing every problem and what to change (`reward_given`: a reward function
         comes with the run, so `reward.fn` may stay unset)."""
         from ..mesh import MeshError, MeshSpec
+        from ..options import DTYPES
         from ..rollout import RolloutError, SamplingParams
         from ..tags import TRAIN_TAGS
+        from .algos import CORRECTION_LEVELS, CORRECTIONS
         from .tasks import TASKS
 
         problems: list[str] = []
@@ -209,6 +215,18 @@ class Config:
             problems.append(f"algorithm.name={a.name!r}: use 'grpo' or 'ppo'")
         if a.name == "grpo" and r.n < 2:
             problems.append(f"rollout.n={r.n}: GRPO compares samples of one prompt, so use n >= 2")
+        if a.rollout_correction not in CORRECTIONS:
+            problems.append(f"algorithm.rollout_correction={a.rollout_correction!r}: use one of "
+                            f"{', '.join(CORRECTIONS)}")
+        if a.rollout_correction_level not in CORRECTION_LEVELS:
+            problems.append(f"algorithm.rollout_correction_level={a.rollout_correction_level!r}: use one of "
+                            f"{', '.join(CORRECTION_LEVELS)}")
+        if not a.rollout_correction_cap >= 1:
+            problems.append(f"algorithm.rollout_correction_cap={a.rollout_correction_cap} must be >= 1 "
+                            f"(tis: weights at most C; mis: ratios kept in [1/C, C])")
+        if r.dtype and r.dtype not in DTYPES:
+            problems.append(f"rollout.dtype={r.dtype!r}: use one of {', '.join(sorted(DTYPES))} "
+                            f"(or leave it empty: model.dtype)")
         if t.max_tokens_per_micro_batch < 0:
             problems.append(f"train.max_tokens_per_micro_batch={t.max_tokens_per_micro_batch} must be >= 0")
         if a.kl_in not in ("loss", "reward"):

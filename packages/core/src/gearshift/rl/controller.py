@@ -19,8 +19,8 @@ import torch
 from .. import dist as gdist, registry
 from . import checkpoint
 from .algos import (
-    TOKENS_PER_SEQ, compute_advantages, kl_estimate, kl_in_reward, make_policy_loss_fn, make_value_loss_fn,
-    tokens_per_seq,
+    ROLLOUT_WEIGHTS, TOKENS_PER_SEQ, compute_advantages, kl_estimate, kl_in_reward, make_policy_loss_fn,
+    make_value_loss_fn, rollout_correction, tokens_per_seq,
 )
 from .config import Config, ConfigError
 from ..hybrid import HybridActor
@@ -77,7 +77,8 @@ class Controller:
         self.policy = registry.create("train", t.backend, **train_opts)
         self.reward_model = self._reward_model() if cfg.reward.model else None
         self._reward_metrics: dict[str, float] = {}
-        rollout = registry.create("rollout", r.backend, **common, mesh=r.mesh or None,
+        rollout = registry.create("rollout", r.backend, **{**common, "dtype": r.dtype or cfg.model.dtype},
+                                  mesh=r.mesh or None,
                                   max_model_len=r.max_model_len, **r.options)
         if rollout.max_model_len < cfg.data.max_prompt_len + r.max_tokens:
             raise ConfigError(cfg.context_problem(rollout.max_model_len) + f" (the {r.backend} engine's context)")
@@ -239,6 +240,11 @@ class Controller:
         out = {"mismatch/logprob_max": float(gap.max()),
                "mismatch/logprob_mean": float(gap.sum() / mask.sum().clamp(min=1))}
         extras = {"old_logprobs": old}
+        weights, corrected = rollout_correction(old, rollout_lp, mask, mode=a.rollout_correction,
+                                                level=a.rollout_correction_level, cap=a.rollout_correction_cap)
+        out.update({f"rollout_correction/{k}": v for k, v in corrected.items()})
+        if weights is not None:
+            extras[ROLLOUT_WEIGHTS] = weights
         token_rewards = reward_t
         if self.reference is not None:
             with timed("ref_logprobs"):

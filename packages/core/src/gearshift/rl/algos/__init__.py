@@ -14,6 +14,9 @@ from .registry import (  # first: the modules below register into it
     ADVANTAGES, POLICY_LOSSES, Registry, get_advantage, get_policy_loss, register_advantage, register_policy_loss,
 )
 from .advantages import compute_advantages, gae, group_ids_from_size, grpo, outcome_to_token_rewards, rloo
+from .correction import (
+    CORRECTIONS, LEVELS as CORRECTION_LEVELS, ROLLOUT_WEIGHTS, check_correction, rollout_correction,
+)
 from .kl import KL_ESTIMATORS, kl_estimate, kl_in_reward, kl_k1, kl_k2, kl_k3
 from .losses import (
     TOKENS_PER_SEQ, make_policy_loss_fn, make_value_loss_fn, ppo_clip, tokens_per_seq, value_loss,
@@ -21,9 +24,10 @@ from .losses import (
 from .masked import AGGREGATIONS, aggregate, masked_mean, masked_var, whiten
 
 __all__ = [
-    "ADVANTAGES", "AGGREGATIONS", "KL_ESTIMATORS", "POLICY_LOSSES", "Registry", "TOKENS_PER_SEQ", "aggregate",
-    "compute_advantages", "gae", "get_advantage", "get_policy_loss", "group_ids_from_size", "grpo",
-    "kl_estimate", "kl_in_reward", "kl_k1", "kl_k2", "kl_k3", "make_policy_loss_fn", "make_value_loss_fn",
-    "masked_mean", "masked_var", "outcome_to_token_rewards", "ppo_clip", "register_advantage",
-    "register_policy_loss", "rloo", "tokens_per_seq", "value_loss", "whiten",
+    "ADVANTAGES", "AGGREGATIONS", "CORRECTIONS", "CORRECTION_LEVELS", "KL_ESTIMATORS", "POLICY_LOSSES",
+    "ROLLOUT_WEIGHTS", "Registry", "TOKENS_PER_SEQ", "aggregate", "check_correction", "compute_advantages", "gae",
+    "get_advantage", "get_policy_loss", "group_ids_from_size", "grpo", "kl_estimate", "kl_in_reward", "kl_k1",
+    "kl_k2", "kl_k3", "make_policy_loss_fn", "make_value_loss_fn", "masked_mean", "masked_var",
+    "outcome_to_token_rewards", "ppo_clip", "register_advantage", "register_policy_loss", "rloo",
+    "rollout_correction", "tokens_per_seq", "value_loss", "whiten",
 ]

@@ -16,6 +16,7 @@ The builders add the KL and entropy terms, aggregate, and read the batch:
                          right only for one optimizer step per rollout batch
   ref_logprobs   [B, T]  the frozen reference; required when the KL is in the loss
   tokens_per_seq [B]     optional, see `aggregate`: exact token means under micro-batching
+  rollout_weights [B, T] optional, see `correction.py`: each token's policy-gradient loss is multiplied by it
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from __future__ import annotations
 import torch
 
 from ...train import LossFn, PolicyOutput, TrainBatch
+from .correction import ROLLOUT_WEIGHTS
 from .kl import KL_ESTIMATORS, kl_estimate
 from .masked import aggregate, check_aggregation, masked_mean
 from .registry import POLICY_LOSSES, register_policy_loss
@@ -134,6 +136,8 @@ def make_policy_loss_fn(name: str = "ppo_clip", *, kl_coef: float = 0.0, kl_esti
         adv = _extra(batch, "advantages", "per-token advantages [B, T]").to(logp.dtype)
         old = _extra(batch, "old_logprobs", "") if "old_logprobs" in batch.extras else logp.detach()
         token_losses, stats = policy_loss(logp, old.to(logp.dtype), adv, mask, **loss_options)
+        if ROLLOUT_WEIGHTS in batch.extras:  # rollout correction (tis / mis)
+            token_losses = token_losses * _extra(batch, ROLLOUT_WEIGHTS, "").to(logp.dtype)
         pg_loss = aggregate(token_losses, mask, agg, norm)
         loss = pg_loss
         metrics = {"pg_loss": float(pg_loss.detach()), **{k: float(v) for k, v in stats.items()}}
