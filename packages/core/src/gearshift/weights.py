@@ -53,6 +53,16 @@ class WeightSpec:
     params: tuple[ParamSpec, ...]
     #: other names of listed weights (a tied head): alias -> the listed name
     aliases: Mapping[str, str] = field(default_factory=dict, hash=False)
+    #: the global ranks the mesh's ranks 0, 1, ... are, when this side is one pool among others (a
+    #: reshard between pools numbers the ranks of both); empty: ranks 0 to mesh.world_size - 1
+    ranks: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.ranks and len(self.ranks) != self.mesh.world_size:
+            raise WeightError(f"the spec lists {len(self.ranks)} global ranks for mesh {self.mesh} of "
+                              f"{self.mesh.world_size}: give one per rank of the mesh")
+        if len(set(self.ranks)) != len(self.ranks):
+            raise WeightError(f"global ranks {self.ranks} repeat a rank")
 
     @classmethod
     def from_tensors(
@@ -105,6 +115,24 @@ class WeightSpec:
     @property
     def nbytes(self) -> int:
         return sum(p.nbytes for p in self.params)
+
+    @property
+    def global_ranks(self) -> tuple[int, ...]:
+        """The global rank of each rank of the mesh, in mesh order."""
+        return self.ranks or tuple(range(self.mesh.world_size))
+
+    def on_ranks(self, ranks) -> "WeightSpec":
+        """The same weights, held by the given global ranks (mesh rank i is `ranks[i]`)."""
+        return replace(self, ranks=tuple(int(r) for r in ranks))
+
+    def mesh_rank(self, rank: int) -> int | None:
+        """The mesh rank of global rank `rank`, or None when this side has no such rank."""
+        if not self.ranks:
+            return rank if 0 <= rank < self.mesh.world_size else None
+        try:
+            return self.ranks.index(rank)
+        except ValueError:
+            return None
 
     def replicated(self) -> "WeightSpec":
         """The same weights, whole on every rank (what a full export gathers)."""

@@ -13,18 +13,27 @@ fp32 on a CPU), there is nothing to move: a rollout engine that can serve from
 the trainer's own tensors (`RolloutEngine.share_weights`) is handed them, and a
 sync costs a few pointer swaps (`share_refusal` says why a plan cannot).
 
+Training and rollout may also run on separate pools of ranks: each side's
+spec then names its global ranks (`WeightSpec.on_ranks`), the same planner
+works out which train rank sends which slice to which rollout rank, and the
+slices cross over a `Link` (link.py: a process group over both pools, apart
+from each pool's own) through `send_weights` / `receive_weights` (pools.py).
+
 Two resharders ship with the core (resharders.py): `stream` (the above) and
 `naive` (what a system without a resharder does: the trainer writes a full
 safetensors checkpoint and the rollout engine reloads it from that path);
 benchmarks compare against the latter.
 """
 
+from .link import Link, open_store
 from .plan import BucketPlan, RankPiece, RankView, ReshardPlan, Transfer
 from .planner import DEFAULT_BUCKET_BYTES, plan_reshard, share_refusal
+from .pools import plan_between_pools, receive_weights, send_weights
 from .resharders import NaiveResharder, Resharder, StreamingResharder
 from .stream import stream_plan
 
 __all__ = [
-    "DEFAULT_BUCKET_BYTES", "BucketPlan", "NaiveResharder", "RankPiece", "RankView", "ReshardPlan", "Resharder",
-    "StreamingResharder", "Transfer", "plan_reshard", "share_refusal", "stream_plan",
+    "DEFAULT_BUCKET_BYTES", "BucketPlan", "Link", "NaiveResharder", "RankPiece", "RankView", "ReshardPlan",
+    "Resharder", "StreamingResharder", "Transfer", "open_store", "plan_between_pools", "plan_reshard",
+    "receive_weights", "send_weights", "share_refusal", "stream_plan",
 ]

@@ -61,7 +61,7 @@ class RankPiece:
 class RankView:
     """What one rank does for one weight: the shape it serves, its pieces, and whether it holds it whole."""
 
-    shape: tuple[int, ...]
+    shape: tuple[int, ...] | None  # None: the rank receives none of it (a sender outside the rollout ranks)
     pieces: tuple[RankPiece, ...]
     whole: bool
 
@@ -87,8 +87,18 @@ class ReshardPlan:
         self._dst = self.dst.by_name()
 
     @property
+    def ranks(self) -> tuple[int, ...]:
+        """Every global rank the plan involves: the train and rollout ranks (the same ones when colocated)."""
+        return tuple(sorted(set(self.src.global_ranks) | set(self.dst.global_ranks)))
+
+    @property
     def world_size(self) -> int:
-        return self.dst.mesh.world_size
+        return len(self.ranks)
+
+    @property
+    def colocated(self) -> bool:
+        """Training and rollout run on the same ranks."""
+        return set(self.src.global_ranks) == set(self.dst.global_ranks)
 
     def source(self, name: str) -> ParamSpec:
         """The train side of rollout weight `name`."""
@@ -104,18 +114,24 @@ class ReshardPlan:
         view = self._views.get(key)
         if view is None:
             s, d = self.source(name), self._dst[name]
-            src_box, dst_box = s.placement.local_box(s.shape, rank), d.placement.local_box(d.shape, rank)
+            i, j = self.src.mesh_rank(rank), self.dst.mesh_rank(rank)
+            src_box = s.placement.local_box(s.shape, i) if i is not None else None
+            dst_box = d.placement.local_box(d.shape, j) if j is not None else None
             mine = [t for t in self.transfers[name] if rank in (t.src, t.dst)]
-            whole = len(mine) == 1 and mine[0].src == mine[0].dst == rank and mine[0].box == dst_box == src_box
+            whole = (len(mine) == 1 and mine[0].src == mine[0].dst == rank and src_box is not None
+                     and mine[0].box == dst_box == src_box)
             pieces = tuple(RankPiece(t.src, t.dst, box_slices(t.box, src_box) if t.src == rank else None,
                                      box_slices(t.box, dst_box) if t.dst == rank else None, box_shape(t.box))
                            for t in mine)
-            view = self._views[key] = RankView(box_shape(dst_box), pieces, whole)
+            view = self._views[key] = RankView(box_shape(dst_box) if dst_box is not None else None, pieces, whole)
         return view
 
     def bytes_received(self, rank: int) -> int:
-        """Bytes that land on `rank` in its rollout layout per sync."""
-        return sum(p.dtype.itemsize * numel(box_shape(p.placement.local_box(p.shape, rank))) for p in self.dst)
+        """Bytes that land on `rank` in its rollout layout per sync (0 on a rank outside the rollout ranks)."""
+        j = self.dst.mesh_rank(rank)
+        if j is None:
+            return 0
+        return sum(p.dtype.itemsize * numel(box_shape(p.placement.local_box(p.shape, j))) for p in self.dst)
 
     def bytes_sent_remote(self, rank: int) -> int:
         """Bytes `rank` sends to other ranks per sync."""
@@ -138,7 +154,9 @@ class ReshardPlan:
         n_local = sum(1 for ts in self.transfers.values() for t in ts if t.src == t.dst == rank)
         n_send = sum(1 for ts in self.transfers.values() for t in ts if t.src == rank != t.dst)
         n_recv = sum(1 for ts in self.transfers.values() for t in ts if t.dst == rank != t.src)
+        pools = "" if self.colocated else (f" (train ranks {list(self.src.global_ranks)}, rollout ranks "
+                                           f"{list(self.dst.global_ranks)})")
         return (
             f"{len(self.dst)} weights in {len(self.buckets)} buckets, train {self.src.mesh} -> rollout "
-            f"{self.dst.mesh}; rank {rank}: {n_local} local copies, {n_send} sends, {n_recv} receives"
+            f"{self.dst.mesh}{pools}; rank {rank}: {n_local} local copies, {n_send} sends, {n_recv} receives"
         )

@@ -10,15 +10,19 @@ DEFAULT_BUCKET_BYTES = 128 * 2**20
 
 
 def plan_reshard(src: WeightSpec, dst: WeightSpec, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> ReshardPlan:
-    """Plan moving `src` (train layout) into `dst` (rollout layout) over the same ranks.
+    """Plan moving `src` (train layout) into `dst` (rollout layout).
 
-    Each receiving rank takes each piece it needs from a rank that holds it,
-    itself first; weights are grouped into buckets of about `bucket_bytes`.
+    Ranks are global: by default both meshes cover ranks 0 to N-1 (training and rollout share
+    them); a spec that names its ranks (`WeightSpec.on_ranks`) lies on those, so the two sides
+    may be separate pools of ranks (the train pool sends, the rollout pool receives). Each
+    receiving rank takes each piece it needs from a rank that holds it, itself first, else
+    spread over the holders; weights are grouped into buckets of about `bucket_bytes`.
     """
-    if src.mesh.world_size != dst.mesh.world_size:
+    if not src.ranks and not dst.ranks and src.mesh.world_size != dst.mesh.world_size:
         raise WeightError(
             f"train mesh {src.mesh} spans {src.mesh.world_size} ranks but rollout mesh {dst.mesh} spans "
-            f"{dst.mesh.world_size}: both must cover the same ranks"
+            f"{dst.mesh.world_size}: both must cover the same ranks (or, for separate pools, give each "
+            f"spec its global ranks with WeightSpec.on_ranks)"
         )
     source_names: dict[str, str] = {}
     missing = []
@@ -39,24 +43,24 @@ def plan_reshard(src: WeightSpec, dst: WeightSpec, bucket_bytes: int = DEFAULT_B
         s = have[source_names[p.name]]
         if tuple(s.shape) != tuple(p.shape):
             raise WeightError(f"weight {p.name!r}: train shape {s.shape}, rollout shape {p.shape}")
-    world = dst.mesh.world_size
+    senders, receivers = src.global_ranks, dst.global_ranks
     transfers: dict[str, tuple[Transfer, ...]] = {}
     tag = 0
     for p in dst:
         s = have[source_names[p.name]]
         holders: dict[Box, list[int]] = {}
-        for r in range(world):
-            box = s.placement.local_box(s.shape, r)
+        for i, r in enumerate(senders):
+            box = s.placement.local_box(s.shape, i)
             if all(hi > lo for lo, hi in box):
                 holders.setdefault(box, []).append(r)
         out: list[Transfer] = []
-        for d in range(world):
-            want = p.placement.local_box(p.shape, d)
+        for j, d in enumerate(receivers):
+            want = p.placement.local_box(p.shape, j)
             for box, ranks in holders.items():
                 piece = intersect(box, want)
                 if piece is None:
                     continue
-                source = d if d in ranks else ranks[d % len(ranks)]
+                source = d if d in ranks else ranks[j % len(ranks)]
                 out.append(Transfer(p.name, source, d, piece, tag))
                 tag += 1
         transfers[p.name] = tuple(out)
@@ -82,11 +86,14 @@ def share_refusal(plan: ReshardPlan) -> str | None:
     Sharing needs every rank to hold every weight whole in its rollout layout and dtype already,
     so that the stream passes the trainer's tensors on untouched and no rank talks to another.
     """
+    if set(plan.src.global_ranks) != set(plan.dst.global_ranks):
+        return (f"training runs on ranks {list(plan.src.global_ranks)} and rollout on ranks "
+                f"{list(plan.dst.global_ranks)}: separate pools cannot share tensors")
     for name, transfers in plan.transfers.items():
         s, d = plan.source(name), plan.target(name)
         if s.dtype != d.dtype:
             return f"{name!r} is {s.dtype} in training but the rollout engine wants {d.dtype}"
-        for r in range(plan.world_size):
+        for r in plan.ranks:
             if not plan.rank_view(r, name).whole:
                 t = next((t for t in transfers if t.src != t.dst), None)
                 if t is not None:

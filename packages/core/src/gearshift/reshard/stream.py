@@ -10,16 +10,18 @@ import torch.distributed as dist
 
 from .. import dist as gdist
 from ..weights import WeightBucket
+from .link import Link, Message
 from .plan import BucketPlan, ReshardPlan, numel
 
 
 def stream_plan(
     plan: ReshardPlan,
-    local_weights: Callable[[list[str]], Mapping[str, torch.Tensor]],
+    local_weights: Callable[[list[str]], Mapping[str, torch.Tensor]] | None,
     rank: int | None = None,
-    group: dist.ProcessGroup | None = None,
+    group: "dist.ProcessGroup | Link | None" = None,
     cast: bool = True,
     materialized: Callable[[list[str]], AbstractContextManager] | None = None,
+    device: torch.device | str | None = None,
 ) -> Iterator[WeightBucket]:
     """Yield this rank's weights in the rollout layout, bucket by bucket, running the plan's copies.
 
@@ -32,8 +34,16 @@ def stream_plan(
     receiver that casts as it copies (`RolloutEngine.casts_on_load`): one pass over the bytes
     instead of two. Pieces bound for another rank travel packed: one message per peer (and dtype)
     per bucket, so a switch sends a few large messages rather than one per weight slice.
+
+    Between separate pools (a plan whose specs name their global ranks), `rank` is this rank on
+    the `Link` given as `group`: a train rank passes `local_weights` and gets empty buckets (it
+    only sends: iterate them to drive the sends), a rollout rank passes None and gets its
+    tensors, on `device` (default: the CPU).
     """
     rank = gdist.rank() if rank is None else rank
+    sends = plan.src.mesh_rank(rank) is not None
+    if sends and local_weights is None:
+        raise ValueError(f"rank {rank} holds training weights under this plan: pass local_weights")
     materialized = materialized or (lambda names: nullcontext())
     dtypes = sorted({str(p.dtype) for p in plan.dst})
 
@@ -41,23 +51,28 @@ def stream_plan(
         return bucket.index * len(dtypes) + dtypes.index(str(dtype))
 
     for bucket in plan.buckets:
+        if not sends:
+            yield _assemble(plan, bucket, {}, rank, group, cast, tag, device)
+            continue
         sources = [plan.source_names[n] for n in bucket.names]
         with materialized(sources):
             by_source = local_weights(sources)
             local = {name: by_source[src] for name, src in zip(bucket.names, sources)}
-            yield _assemble(plan, bucket, local, rank, group, cast, tag)
+            yield _assemble(plan, bucket, local, rank, group, cast, tag, device)
 
 
-def _assemble(plan, bucket, local, rank, group, cast, tag) -> WeightBucket:
+def _assemble(plan, bucket, local, rank, group, cast, tag, device=None) -> WeightBucket:
     out: dict[str, torch.Tensor] = {}
     # the tensors this rank assembles are views into one buffer per dtype: one allocation, not one per weight
     sizes: dict[torch.dtype, int] = {}
     for name in bucket.names:
         view = plan.rank_view(rank, name)
-        if not view.whole:
+        if not view.whole and view.shape is not None:
             dtype = plan.target(name).dtype
             sizes[dtype] = sizes.get(dtype, 0) + numel(view.shape)
-    device = local[bucket.names[0]].device if bucket.names else None
+    if local:
+        device = next(iter(local.values())).device
+    device = torch.device(device) if device is not None else torch.device("cpu")
     arena = {dtype: torch.empty(n, dtype=dtype, device=device) for dtype, n in sizes.items()}
     used = dict.fromkeys(arena, 0)
     sends: dict[tuple[int, torch.dtype], list[torch.Tensor]] = {}
@@ -71,9 +86,10 @@ def _assemble(plan, bucket, local, rank, group, cast, tag) -> WeightBucket:
             t = local[name]
             out[name] = t if t.dtype == dtype or not cast else t.to(dtype)
             continue
-        start, n = used[dtype], numel(view.shape)
-        out[name] = arena[dtype][start:start + n].view(view.shape)
-        used[dtype] = start + n
+        if view.shape is not None:
+            start, n = used[dtype], numel(view.shape)
+            out[name] = arena[dtype][start:start + n].view(view.shape)
+            used[dtype] = start + n
         for piece in view.pieces:
             if piece.src == rank:
                 part = local[name][piece.src_slices]
@@ -93,18 +109,23 @@ def _assemble(plan, bucket, local, rank, group, cast, tag) -> WeightBucket:
 
 def _exchange(bucket, sends, recvs, device, group, tag) -> None:
     """One message per peer and dtype: packed (and cast) in one pass, split out where it lands."""
-    ops: list[dist.P2POp] = []
+    messages: list[Message] = []
     for (peer, dtype), flats in sends.items():
         flat = torch.empty(sum(f.numel() for f in flats), dtype=dtype, device=device)
         torch.cat(flats, out=flat)
-        ops.append(dist.P2POp(dist.isend, flat, peer, group, tag(bucket, dtype)))
+        messages.append(("send", flat, peer, tag(bucket, dtype)))
     landing = []
     for (peer, dtype), places in recvs.items():
         flat = torch.empty(sum(numel(shape) for _, _, shape in places), dtype=dtype, device=device)
-        ops.append(dist.P2POp(dist.irecv, flat, peer, group, tag(bucket, dtype)))
+        messages.append(("recv", flat, peer, tag(bucket, dtype)))
         landing.append((flat, places))
-    for work in dist.batch_isend_irecv(ops):
-        work.wait()
+    if isinstance(group, Link):
+        group.exchange(messages)
+    else:
+        ops = [dist.P2POp(dist.isend if kind == "send" else dist.irecv, t, peer, group, tg)
+               for kind, t, peer, tg in messages]
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
     dsts, srcs = [], []
     for flat, places in landing:
         for (buf, where, shape), part in zip(places, flat.split([numel(shape) for _, _, shape in places])):
