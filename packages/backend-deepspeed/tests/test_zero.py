@@ -196,9 +196,6 @@ def test_zero3_export_peak_memory_is_one_bucket(gearshift_model):
     assert peak < spec.nbytes / 2
 
 
-@pytest.mark.xfail(strict=True, reason="the core's stream_plan keeps the previous bucket's weights in its own "
-                   "variables until the next bucket's local_weights returns, so two gathered buckets are alive "
-                   "during each gather; it passes once the stream drops them after the yield")
 def test_zero3_export_holds_one_gathered_bucket_at_a_time(gearshift_model):
     """Counted on the tensors themselves (any number of ranks): when a bucket's gather starts, no weight of an
     earlier bucket is still referenced, by the stream or anyone, once the consumer has let its bucket go."""

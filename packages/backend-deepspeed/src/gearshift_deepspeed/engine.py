@@ -13,7 +13,6 @@ parameters), so it never holds more than one bucket of gathered weights.
 
 from __future__ import annotations
 
-import dataclasses
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import Sequence
@@ -67,10 +66,6 @@ class DeepSpeedTrainEngine(ModuleTrainEngine):
         # ZeRO-3's weights exist whole only while gathered: a rollout engine cannot serve from them
         self.can_lend_weights = self.zero_stage < 3
         super().__init__(args, options)
-        if self.zero_stage == 3:  # the base read the parameters' local shapes, which are empty at stage 3
-            exported = self.lora.base_parameters() if self.lora is not None else self._params
-            self._spec = dataclasses.replace(self._spec, params=tuple(
-                dataclasses.replace(p, shape=tuple(exported[p.name].ds_shape)) for p in self._spec.params))
         self._offloader = ZeroOffloader(self.ds, frozen=self._frozen)
 
     # --- sharding hooks -------------------------------------------------------------------
@@ -101,6 +96,9 @@ class DeepSpeedTrainEngine(ModuleTrainEngine):
 
     def _placement(self, name: str, param: torch.Tensor) -> Placement:
         return Placement.replicated(self.mesh)  # whole on every rank (at stage 3: while its bucket is gathered)
+
+    def _full_shape(self, name: str, param: torch.Tensor) -> tuple[int, ...]:
+        return tuple(getattr(param, "ds_shape", param.shape))  # stage 3 keeps an empty tensor beside it
 
     def _backward(self, loss: torch.Tensor) -> None:
         self.ds.backward(loss, scale_wrt_gas=False)  # the base has weighed each micro-batch's loss already

@@ -141,7 +141,6 @@ class VLLMRolloutEngine(RolloutEngine):
             raise ValueError(f"cpu_weights='plain' loads local safetensors itself; load_format="
                              f"{kwargs['load_format']!r} needs cpu_weights='packed'")
 
-        self._owns_process_group = not gdist.is_distributed()
         self._call_env = call_environment(self.cache_dir, exact_fp32=self.dtype == torch.float32)
         with contained({**engine_environment(self.cache_dir), **self._call_env},
                        cache_paths(self.cache_dir)["tmp"]) as host:
@@ -346,9 +345,9 @@ class VLLMRolloutEngine(RolloutEngine):
         gc.collect()
         from vllm.distributed import parallel_state
 
+        # vLLM's own groups go; the default process group stays, whoever made it: other engines of this
+        # process may use it (an engine never destroys the default group)
         parallel_state.destroy_model_parallel()
-        if self._owns_process_group:  # vLLM made a one-rank group for itself; a torchrun group stays
-            parallel_state.destroy_distributed_environment()
 
 
 # --- run inside vLLM's worker (in this process), through `collective_rpc` ---------------------------

@@ -22,7 +22,7 @@ import torch
 
 from . import dist as gdist, registry
 from .hybrid import HybridActor
-from .profiler import SwitchReport, median_report
+from .profiler import SwitchReport, median_report, peak_memory_bytes, reset_peak_memory
 from .reshard import NaiveResharder, StreamingResharder
 from .weights import WeightBucket
 
@@ -137,9 +137,10 @@ def _median_seconds(fn, repeats: int) -> float:
     return statistics.median(times)
 
 
-def _exchange(plan, device: torch.device):
+def _exchange(plan, device: torch.device, gathers: bool = False):
     """A callable that sends and receives, in one batch of one message per peer, as many bytes
-    (in the rollout dtypes) as the plan moves between this rank and each other rank."""
+    (in the rollout dtypes) as the plan moves between this rank and each other rank. `gathers`: the
+    trainer gathers its weights per bucket to export them (ZeRO-3): one all-gather per bucket too."""
     if not gdist.is_distributed():
         return lambda: None
     import torch.distributed as dist
@@ -147,8 +148,14 @@ def _exchange(plan, device: torch.device):
     sent, received = plan.peer_bytes(gdist.rank())
     out = {peer: torch.empty(n, dtype=torch.uint8, device=device) for peer, n in sent.items()}
     into = {peer: torch.empty(n, dtype=torch.uint8, device=device) for peer, n in received.items()}
+    world = gdist.world_size()
+    gather = [(torch.empty(b.nbytes // world, dtype=torch.uint8, device=device),
+               torch.empty(b.nbytes // world * world, dtype=torch.uint8, device=device))
+              for b in plan.buckets] if gathers else []
 
     def run() -> None:
+        for mine, whole in gather:
+            dist.all_gather_into_tensor(whole, mine)
         ops = [dist.P2POp(dist.isend, buf, peer) for peer, buf in out.items()]
         ops += [dist.P2POp(dist.irecv, buf, peer) for peer, buf in into.items()]
         if ops:
@@ -194,10 +201,11 @@ def measure_pair(train, rollout, switches: int = 5, naive_switches: int = 3, nai
     engine_load_s = _median_seconds(lambda: rollout.own_load([WeightBucket(full)]), max(switches, 1))
     rollout.sleep(["weights", "kv_cache"])
     # The copy limit: the same bytes copied once, tensor by tensor, on the same device; with several
-    # ranks, plus the bytes that cross ranks exchanged over the same process group, one message per peer.
+    # ranks, plus the bytes that cross ranks exchanged over the same process group, one message per peer
+    # (and, for a trainer that gathers its weights to export them, one all-gather per bucket).
     src = list(full.values())
     dst = [torch.empty_like(t) for t in src]
-    exchange = _exchange(plan, src[0].device if src else train.device)
+    exchange = _exchange(plan, src[0].device if src else train.device, gathers=not train.can_lend_weights)
     copy_s = _median_seconds(lambda: ([d.copy_(s) for d, s in zip(dst, src)], exchange()), max(switches, 3))
     pcie_s = None
     if src and src[0].device.type == "cuda":  # what a sync that kept the weights in host memory would pay
@@ -331,6 +339,7 @@ def measure_train(names: list[str], model: str, batch_size: int = 16, seq_len: i
     rows = []
     for name in names:
         for budget in token_budgets:
+            reset_peak_memory()
             engine = registry.create("train", name, model=path, lr=1e-5, micro_batch_size=micro_batch_size,
                                      max_tokens_per_micro_batch=budget or None, **(options or {}).get(name, {}))
             metrics = engine.train_step(batch, nll_loss)  # warm-up
@@ -340,7 +349,8 @@ def measure_train(names: list[str], model: str, batch_size: int = 16, seq_len: i
                          "micro_batch_size": micro_batch_size or "-", "max_tokens": budget or "-",
                          "micro_batches": int(metrics.get("micro_batches", 0)) or "-",
                          "pad_share": pad if pad is not None else "-",
-                         "seconds_per_step": secs, "steps_per_s": 1 / secs, "tokens_per_s": real_tokens / secs})
+                         "seconds_per_step": secs, "steps_per_s": 1 / secs, "tokens_per_s": real_tokens / secs,
+                         "peak_gb": peak_memory_bytes() / 1e9})
             engine.close()
     return rows
 

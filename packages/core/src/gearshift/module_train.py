@@ -10,6 +10,7 @@ Face folder through its own export. A sharding backend overrides hooks only:
 - `_parallelize(model) -> module`: wrap or shard the model (default: move it to `device`).
 - `_placement(name, param) -> Placement`: where `param` lies on the mesh (default: replicated).
 - `_local(tensor) -> tensor`: this rank's shard of a parameter, gradient or state tensor (default: itself).
+- `_full_shape(name, param) -> shape`: the whole weight's shape (default: the parameter's).
 - `_named_parameters()`: the trainable parameters under Hugging Face names (default: the module's).
 - `_build_optimizer() -> Optimizer`, `_backward(loss)`, `_clip_and_step() -> grad norm`.
 - `_state_tensors(tag)`: the local tensors behind an offload tag.
@@ -112,7 +113,7 @@ class ModuleTrainEngine(TrainEngine):
             exported = self.lora.base_parameters()
             aliases = {hf_name(a): hf_name(t) for a, t in aliases.items()}
         self._spec = WeightSpec(self.mesh, tuple(
-            ParamSpec(n, tuple(p.shape), p.dtype, self._placement(n, p)) for n, p in exported.items()
+            ParamSpec(n, self._full_shape(n, p), p.dtype, self._placement(n, p)) for n, p in exported.items()
         ), {a: t for a, t in aliases.items() if t in exported})
         self._stashes = {tag: HostStash() for tag in TRAIN_TAGS}  # kept: their host buffers are reused
 
@@ -130,6 +131,10 @@ class ModuleTrainEngine(TrainEngine):
 
     def _local(self, tensor: torch.Tensor) -> torch.Tensor:
         return tensor
+
+    def _full_shape(self, name: str, param: torch.Tensor) -> tuple[int, ...]:
+        """The whole weight's shape (a DTensor's is; ZeRO-3 keeps it beside an empty local tensor)."""
+        return tuple(param.shape)
 
     def _named_parameters(self):
         return ((n, p) for n, p in self.model.named_parameters() if p.requires_grad)

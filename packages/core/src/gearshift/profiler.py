@@ -117,6 +117,14 @@ def proc_status_bytes(key: str) -> int:
     return 0
 
 
+def reset_peak_memory(device: torch.device | str | None = None) -> None:
+    """Start `peak_memory_bytes` afresh: the CUDA allocator's high-water mark, or the process's."""
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats(device)
+    else:
+        _reset_host_peak()
+
+
 def _reset_host_peak() -> None:
     try:
         with open("/proc/self/clear_refs", "w") as f:

@@ -59,6 +59,7 @@ def stream_plan(
             by_source = local_weights(sources)
             local = {name: by_source[src] for name, src in zip(bucket.names, sources)}
             yield _assemble(plan, bucket, local, rank, group, cast, tag, device)
+            by_source = local = None  # a gathered bucket (ZeRO-3) must not outlive its gather
 
 
 def _assemble(plan, bucket, local, rank, group, cast, tag, device=None) -> WeightBucket:
