@@ -8,7 +8,8 @@ import pytest
 
 from gearshift import registry
 
-PAIRS = [("torch", "hf"), ("fsdp", "hf"), ("torch", "vllm"), ("fsdp", "vllm")]
+PAIRS = [("torch", "hf"), ("fsdp", "hf"), ("torch", "vllm"), ("fsdp", "vllm"), ("deepspeed", "hf"),
+         ("fsdp", "sglang")]
 
 
 def _ready(kind: str, name: str) -> bool:

@@ -67,12 +67,14 @@ EOF
     nvidia-smi topo -m | head -4
     ok=0
     for i in $(seq 10); do
-      torchrun --nproc_per_node 2 -m gearshift conformance --train fsdp --rollout hf --model qwen2-0.5b \
+      # each rank's output in its own file; a rank stuck in a collective dumps its stacks after 120 s
+      GEARSHIFT_DIST_TIMEOUT=120 timeout 300 torchrun --nproc_per_node 2 --log_dir "$out/ranks-$i" --redirects 3 \
+        -m gearshift conformance --train fsdp --rollout hf --model qwen2-0.5b \
         --rollout-options "$bf16" --atol 0.5 -- -k "latency or logprobs_agree" -rA > "$out/two-gpus-$i.log" 2>&1
       code=$?
       [ $code = 0 ] && ok=$((ok + 1))
-      echo "run $i: exit $code; $(grep -hE '^(sync|copy limit|naive)' "$out/two-gpus-$i.log" | head -3 | tr -s ' ' | tr '\n' ';')"
-      grep -h "FAILED\|Error" "$out/two-gpus-$i.log" | head -3
+      echo "run $i: exit $code; $(grep -rhE '^(sync|copy limit|naive)' "$out/ranks-$i" | head -3 | tr -s ' ' | tr '\n' ';')"
+      grep -rh "FAILED\|ERROR\|Error" "$out/ranks-$i" | head -6
     done
     echo "latency and logprob tests passed on both ranks in $ok of 10 runs"
     timeout 200 torchrun --nproc_per_node 2 -m gearshift train model.path=qwen2-0.5b train.backend=fsdp \
