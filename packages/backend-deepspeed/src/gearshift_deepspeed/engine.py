@@ -13,7 +13,7 @@ parameters), so it never holds more than one bucket of gathered weights.
 
 from __future__ import annotations
 
-from contextlib import AbstractContextManager, nullcontext
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Sequence
 

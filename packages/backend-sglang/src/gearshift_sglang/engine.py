@@ -31,13 +31,14 @@ from typing import Any, ClassVar, Iterable, Sequence
 import torch
 
 from gearshift import dist as gdist
+from gearshift.hf import weight_spec_of
 from gearshift.options import option
 from gearshift.rollout import ROLLOUT_TAGS, Rollout, RolloutArgs, RolloutEngine, RolloutError, SamplingParams
 from gearshift.weights import WeightBucket, WeightError, WeightSpec
 
 from .host import cache_environment, contained, default_cache_dir
 from .imports import cpu_environment, importing_sglang
-from .weights import FlatBuckets, hf_weight_spec
+from .weights import FlatBuckets
 
 INSTALL = "pip install 'gearshift-sglang[cpu]' && tools/install_sglang.sh (CPU), or 'gearshift-sglang[gpu]'"
 CPU_RELEASES_NOTHING = "CPU SGLang releases nothing: its memory saver needs CUDA"
@@ -102,7 +103,7 @@ class SGLangRolloutEngine(RolloutEngine):
 
         config = AutoConfig.from_pretrained(self.model_path)
         self._vocab_size = int(config.vocab_size)
-        self._spec = hf_weight_spec(self.model_path, self.mesh, self.dtype)
+        self._spec = weight_spec_of(self.model_path, self.mesh, self.dtype)
         kwargs: dict[str, Any] = dict(
             model_path=self.model_path, dtype=args.dtype, random_seed=args.seed, log_level="error",
             context_length=args.max_model_len, disable_radix_cache=not opts.enable_prefix_caching,

@@ -1,9 +1,7 @@
-"""Weights into an SGLang engine: the spec it asks for, and buckets packed in SGLang's flattened format.
+"""Weights into an SGLang engine: buckets packed in SGLang's flattened format.
 
-The spec names the weights as the trainer does (`AutoModelForCausalLM.named_parameters()`;
-a tied head is listed once, its other name an alias), whole: SGLang's own
-loaders map them onto its fused modules (q, k and v into one `qkv_proj`). It is
-read from the config on the meta device, so no weights are loaded to learn it.
+The engine's spec is the core's `gearshift.hf.weight_spec_of` (the trainer's names, whole):
+SGLang's own loaders map them onto its fused modules (q, k and v into one `qkv_proj`).
 
 A bucket travels to SGLang's scheduler process as one flat byte tensor plus
 metadata (SGLang's `flattened_bucket` load format): one shared-memory buffer
@@ -14,22 +12,6 @@ when a bucket needs more, so a sync allocates no shared memory after the first.
 from __future__ import annotations
 
 import torch
-
-from gearshift.hf import tied_aliases
-from gearshift.mesh import MeshSpec, Placement
-from gearshift.weights import ParamSpec, WeightSpec
-
-
-def hf_weight_spec(model_path: str, mesh: MeshSpec, dtype: torch.dtype) -> WeightSpec:
-    """The trainable weights of the model at `model_path`, named as transformers names them, whole on every rank."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    config = AutoConfig.from_pretrained(model_path)
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
-    placement = Placement.replicated(mesh)
-    params = tuple(ParamSpec(name, tuple(p.shape), dtype, placement) for name, p in model.named_parameters())
-    return WeightSpec(mesh, params, tied_aliases(model))
 
 
 class FlatBuckets:

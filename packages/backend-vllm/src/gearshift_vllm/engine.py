@@ -31,6 +31,7 @@ from typing import Any, ClassVar, Iterable, Sequence
 import torch
 
 from gearshift import dist as gdist
+from gearshift.hf import weight_spec_of
 from gearshift.options import option
 from gearshift.rollout import ROLLOUT_TAGS, Rollout, RolloutArgs, RolloutEngine, RolloutError, SamplingParams
 from gearshift.weights import WeightBucket, WeightError, WeightSpec
@@ -38,7 +39,7 @@ from gearshift.weights import WeightBucket, WeightError, WeightSpec
 from .cpu_loader import choose_layout, packed_modules, register_plain_loader
 from .host import (RngState, cache_paths, call_environment, contained, default_cache_dir, default_threads,
                    engine_environment, threads)
-from .weights import UnitFeeder, hf_weight_spec, landing_views, load_units, verified_landing
+from .weights import UnitFeeder, landing_views, load_units, verified_landing
 
 INSTALL = "pip install 'gearshift-vllm[cpu]' (CPU) or 'gearshift-vllm[gpu]'"
 CPU_NO_SLEEP = "CPU vLLM has no sleep mode: nothing is released"
@@ -158,7 +159,7 @@ class VLLMRolloutEngine(RolloutEngine):
 
         self.max_model_len = int(self._llm.llm_engine.model_config.max_model_len)
         self._tokenizer = self._llm.get_tokenizer()
-        self._spec = hf_weight_spec(self.model_path, self.mesh, self.dtype)
+        self._spec = weight_spec_of(self.model_path, self.mesh, self.dtype)
         layout = self._llm.collective_rpc(_model_layout)[0]
         self._units = load_units(self._spec.names(), layout["modules"], layout["packed"])
         unmapped = [n for n, u in self._units.items() if not u]

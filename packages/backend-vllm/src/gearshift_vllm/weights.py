@@ -1,9 +1,7 @@
-"""Weights in and out of a vLLM engine: the spec it asks for, and the streams it is fed.
+"""Weights into a vLLM engine: where each lands in vLLM's storage, and the streams it is fed.
 
-The spec names the weights as the trainer does (`AutoModelForCausalLM.named_parameters()`,
-so a tied lm_head is not there), with full shapes: vLLM's own loaders cut them
-for tensor parallelism. It is read from the model folder's config on the meta
-device, so no weights are loaded to learn it.
+The engine's spec is the core's `gearshift.hf.weight_spec_of` (the trainer's names, full
+shapes, whole on every rank: vLLM's own loaders cut them for tensor parallelism).
 
 On CPU, vLLM prepacks linear weights for oneDNN and re-packs a layer only once
 all of its weights have arrived (q, k and v together make one `qkv_proj`). A
@@ -18,21 +16,7 @@ from typing import Iterable, Iterator, Mapping
 
 import torch
 
-from gearshift.hf import tied_aliases
-from gearshift.mesh import MeshSpec, Placement
-from gearshift.weights import ParamSpec, WeightBucket, WeightError, WeightSpec
-
-
-def hf_weight_spec(model_path: str, mesh: MeshSpec, dtype: torch.dtype) -> WeightSpec:
-    """The trainable weights of the model at `model_path`, named as transformers names them, whole on every rank."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    config = AutoConfig.from_pretrained(model_path)
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
-    placement = Placement.replicated(mesh)
-    params = tuple(ParamSpec(name, tuple(p.shape), dtype, placement) for name, p in model.named_parameters())
-    return WeightSpec(mesh, params, tied_aliases(model))
+from gearshift.weights import WeightBucket, WeightError, WeightSpec
 
 
 def load_units(names: Iterable[str], modules: set[str], packed: Mapping[str, list[str]]) -> dict[str, str]:

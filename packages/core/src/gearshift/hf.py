@@ -17,6 +17,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from .mesh import MeshSpec, Placement
+from .weights import ParamSpec, WeightSpec
+
 
 def dropout_keys(config) -> list[str]:
     """The config's dropout probabilities (float attributes named *dropout* or *pdrop*)."""
@@ -62,3 +65,17 @@ def tied_aliases(model: nn.Module, prefix: str = "") -> dict[str, str]:
         else:
             first[id(p)] = name
     return aliases
+
+
+def weight_spec_of(model_path: str, mesh: MeshSpec, dtype: torch.dtype) -> WeightSpec:
+    """The weights of the model at `model_path` as a rollout engine takes them: `named_parameters()` names
+    (a tied head as an alias), full shapes, whole on every rank; read from its config on the meta device,
+    so no weight is loaded to learn it."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(model_path)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    placement = Placement.replicated(mesh)
+    params = tuple(ParamSpec(name, tuple(p.shape), dtype, placement) for name, p in model.named_parameters())
+    return WeightSpec(mesh, params, tied_aliases(model))

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from .. import dist as gdist
-from ..train import PolicyOutput, TrainBatch, nll_loss
+from ..train import TrainBatch, nll_loss
 from .util import PROMPTS, reference_weights
 
 RESPONSES = [[10, 20, 30, 40, 50], [60, 70, 80], [90, 100, 110, 120]]
