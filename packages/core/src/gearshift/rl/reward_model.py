@@ -107,7 +107,7 @@ class RewardModel:
         return self._stash.restore()
 
     def close(self) -> None:
-        self._stash = HostStash()
+        self._stash.close()
         self.model = None
 
 
