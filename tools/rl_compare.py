@@ -18,6 +18,7 @@ import ast
 import json
 import os
 import re
+import shutil
 import statistics
 import subprocess
 import sys
@@ -81,7 +82,9 @@ def run_all(preset: dict, runs: Path, steps: int, jobs: int, extra: list[str],
         while pending and len(running) < jobs:
             name, overrides = pending.pop(0)
             out = runs / name
-            out.mkdir(parents=True, exist_ok=True)
+            if out.exists():  # a run appends to metrics.jsonl: start from an empty folder
+                shutil.rmtree(out)
+            out.mkdir(parents=True)
             cmd = [sys.executable, "-m", "gearshift", "train", *QUIET, *preset["base"], *overrides, *extra,
                    f"run.steps={steps}", f"run.output_dir={out}"]
             print(f"== {name}: {' '.join(cmd[3:])}", flush=True)

@@ -133,3 +133,16 @@ def test_compute_advantages_rejects_options_the_estimator_lacks():
     close(adv[:, 0], [0.5, -0.5])
     with pytest.raises(ValueError, match="'grpo' has no option 'gamma'; its options are: norm_by_std, eps"):
         compute_advantages("grpo", torch.ones(2), torch.ones(2, 2), group_ids=torch.tensor([0, 0]), gamma=1.0)
+
+
+def test_gae_scale_only_keeps_zero_advantages_at_zero():
+    # lam = 1: advantages r - V, here [1, 0, -0.5, 0] on both tokens of each row; over the 8 tokens the
+    # mean is 0.125 and the Bessel-corrected variance 2.375 / 7, so the std is 0.58248
+    rewards = torch.tensor([1.0, 0.0, 0.0, 0.0])
+    values = torch.tensor([[0.0, 0.0], [0.0, 0.0], [0.5, 0.5], [0.0, 0.0]])
+    mask = torch.ones(4, 2)
+    adv, _ = gae(rewards, mask, values=values, lam=1.0, center=False)
+    std = (2.375 / 7) ** 0.5
+    close(adv, torch.tensor([[1.0, 1.0], [0.0, 0.0], [-0.5, -0.5], [0.0, 0.0]]) / std)
+    centered, _ = gae(rewards, mask, values=values, lam=1.0)
+    close(centered[1], torch.full((2,), -0.125 / std))  # whitening moves the zero advantages too

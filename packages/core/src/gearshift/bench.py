@@ -324,7 +324,8 @@ def measure_train(names: list[str], model: str, batch_size: int = 16, seq_len: i
                   token_budgets: tuple[int, ...] = (0,)) -> list[dict]:
     """Optimizer steps/s and tokens/s of each train backend on the same model and batch, once per token
     budget (0: micro-batches of `micro_batch_size` rows, as wide as the batch; else rows packed by length
-    into micro-batches of that many tokens, `max_tokens_per_micro_batch`).
+    into micro-batches of that many tokens, `max_tokens_per_micro_batch`, with no cap on their rows:
+    `micro_batch_size` rows x `seq_len` is the budget that bounds memory as the fixed count does).
 
     tokens_per_s counts the batch's real tokens; pad_share is the share of padding in the tokens the
     engine computed (from its `pad_frac` metric; '-' for an engine that does not report it).
@@ -340,13 +341,14 @@ def measure_train(names: list[str], model: str, batch_size: int = 16, seq_len: i
     for name in names:
         for budget in token_budgets:
             reset_peak_memory()
-            engine = registry.create("train", name, model=path, lr=1e-5, micro_batch_size=micro_batch_size,
+            engine = registry.create("train", name, model=path, lr=1e-5,
+                                     micro_batch_size=None if budget else micro_batch_size,
                                      max_tokens_per_micro_batch=budget or None, **(options or {}).get(name, {}))
             metrics = engine.train_step(batch, nll_loss)  # warm-up
             secs = _median_seconds(lambda: engine.train_step(batch, nll_loss), steps)
             pad = metrics.get("pad_frac")
             rows.append({"backend": name, "model": model, "batch": batch_size, "seq_len": seq_len,
-                         "micro_batch_size": micro_batch_size or "-", "max_tokens": budget or "-",
+                         "micro_batch_size": "-" if budget else micro_batch_size or "-", "max_tokens": budget or "-",
                          "micro_batches": int(metrics.get("micro_batches", 0)) or "-",
                          "pad_share": pad if pad is not None else "-",
                          "seconds_per_step": secs, "steps_per_s": 1 / secs, "tokens_per_s": real_tokens / secs,
@@ -375,7 +377,8 @@ def _train_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--micro-batch-size", type=int, default=None, help="rows per micro-batch (default: all)")
     p.add_argument("--max-tokens-per-micro-batch", default="0",
                    help="comma-separated token budgets, one row each; 0: micro-batches of --micro-batch-size "
-                        "rows (e.g. 0,2048 puts fixed and packed micro-batches side by side)")
+                        "rows; N: rows packed by length into N tokens (--micro-batch-size 8 --seq-len 256 "
+                        "--max-tokens-per-micro-batch 0,2048 puts the two under the same memory bound side by side)")
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--options", default="{}", help="JSON: {backend: {engine options}}")
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from .masked import last_token_index, masked_mean, whiten
+from .masked import last_token_index, masked_mean, masked_var, whiten
 from .registry import ADVANTAGES, register_advantage
 
 __all__ = [
@@ -164,11 +164,15 @@ def reinforce(rewards, mask, *, group_ids=None, values=None, gamma: float = 1.0,
 
 @register_advantage("gae")
 def gae(rewards, mask, *, group_ids=None, values=None, gamma: float = 1.0, lam: float = 0.95,
-        whiten_advantages: bool = True):
+        whiten_advantages: bool = True, center: bool = True):
     """Generalized advantage estimation (PPO) over the response tokens; returns = advantages + values.
 
     Outcome rewards [B] are placed on the last response token. Advantages
     are whitened over the batch's response tokens by default, returns are not.
+    `center=False` only divides them by their standard deviation: the critic is
+    the baseline already, and subtracting the batch mean as well would push every
+    token, even those whose advantage is 0 (a prompt the policy fails whatever it
+    samples), by the same amount.
     """
     if values is None:
         raise ValueError("gae needs the critic's values [B, T]; use a critic (PPO) or pick 'grpo'")
@@ -179,5 +183,5 @@ def gae(rewards, mask, *, group_ids=None, values=None, gamma: float = 1.0, lam: 
     adv = _discounted(_token_rewards(rewards, mask), mask, gamma * lam, values=values, gamma=gamma)
     returns = (adv + values) * m
     if whiten_advantages:
-        adv = whiten(adv, m)
+        adv = whiten(adv, m) if center else adv * torch.rsqrt(masked_var(adv, m) + 1e-8) * m
     return adv, returns
