@@ -70,6 +70,26 @@ def test_validation_lists_what_to_change():
     assert "unknown tags ['gradz']" in text
 
 
+def test_rl_feature_keys_are_checked():
+    cfg = load_config(None, ["algorithm.rollout_correction=is", "algorithm.rollout_correction_level=seq",
+                             "algorithm.rollout_correction_cap=0.5", "rollout.dtype=bf16",
+                             "train.max_tokens_per_micro_batch=-1", "algorithm.critic_warmup=-2",
+                             "algorithm.gae_norm=whiten"])
+    with pytest.raises(ConfigError) as err:
+        cfg.validate()
+    text = str(err.value)
+    assert "algorithm.rollout_correction='is': use one of none, tis, mis" in text
+    assert "algorithm.rollout_correction_level='seq': use one of token, sequence, geometric" in text
+    assert "algorithm.rollout_correction_cap=0.5 must be >= 1" in text
+    assert "rollout.dtype='bf16': use one of bfloat16, float16, float32" in text
+    assert "train.max_tokens_per_micro_batch=-1 must be >= 0" in text
+    assert "algorithm.critic_warmup=-2 must be >= 0" in text
+    assert "algorithm.gae_norm='whiten': use one of center_scale, scale, none" in text
+    ok = load_config(None, ["algorithm.rollout_correction=mis", "algorithm.rollout_correction_level=geometric",
+                            "rollout.dtype=bfloat16", "train.max_tokens_per_micro_batch=4096"]).validate()
+    assert ok.algorithm.rollout_correction_cap == 2.0
+
+
 def test_prompt_and_completion_must_fit_the_context():
     with pytest.raises(ConfigError, match=r"max_prompt_len=64 \+ rollout.max_tokens=100 is more than the context of 128"):
         load_config(None, ["rollout.max_tokens=100", "rollout.max_model_len=128"]).validate()

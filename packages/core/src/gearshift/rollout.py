@@ -8,7 +8,8 @@ directly with the train engine's `forward_logprobs`.
 Construction (gearshift.options): every rollout engine is built by
 `Engine.build(model, **options)` from the common `RolloutArgs` below plus its
 own `Options` dataclass, and sets `device`, `mesh` and `max_model_len`. The
-rollout mesh covers the same ranks as the train mesh (the planner checks).
+rollout mesh covers the same ranks as the train mesh (the planner checks),
+unless rollout runs on a pool of its own (`run.placement=split`).
 
 Memory: `sleep(tags)` releases the tagged memory (`weights`, `kv_cache`) and
 `wake(tags)` takes it back; sleeping either tag drops the prefix cache;

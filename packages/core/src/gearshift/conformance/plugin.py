@@ -3,6 +3,8 @@
 - `gearshift_model`: a tiny fp32 model folder built locally once per session
   (`--gearshift-model PATH|PRESET` picks another).
 - `gearshift_shared_tmp`: a temporary folder that every rank of a torchrun job sees.
+- `gearshift_ray_cluster`: a local Ray cluster of two nodes, started once per session
+  (skipped where Ray is not installed).
 - markers `gpu` (skipped without CUDA) and `slow` (skipped unless `--runslow`).
 - expected failures, one way: a backend class declares `conformance_xfail =
   {"rollout"|"train"|"pair": {test name: reason}}`; a suite class names the
@@ -120,3 +122,26 @@ def gearshift_model(request, gearshift_shared_tmp_root):
         return choice
     path = resolve_model(choice, cache_dir=gearshift_shared_tmp_root) if gdist.rank() == 0 else None
     return gdist.broadcast_object(path)
+
+
+@pytest.fixture(scope="session")
+def gearshift_ray_cluster():
+    """Ray's own test cluster on this machine: two nodes of 2 CPUs each, started once per session (a split
+    run's pools join it), stopped at the end. Skipped where Ray is not installed."""
+    ray = pytest.importorskip("ray")
+    from ray.cluster_utils import Cluster
+
+    for attempt in range(3):  # Ray gives each raylet 30 s to come up, which a crowded machine can miss
+        cluster = Cluster()
+        try:
+            cluster.add_node(num_cpus=2, object_store_memory=256 << 20)
+            cluster.add_node(num_cpus=2, object_store_memory=256 << 20)
+            break
+        except Exception:
+            cluster.shutdown()
+            if attempt == 2:
+                raise
+    ray.init(address=cluster.address, log_to_driver=True)
+    yield cluster
+    ray.shutdown()
+    cluster.shutdown()

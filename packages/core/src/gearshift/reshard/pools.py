@@ -13,6 +13,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+import torch
+
 from ..profiler import PhaseTimer, SwitchReport
 from ..weights import WeightSpec
 from .link import Link
@@ -34,10 +36,26 @@ def plan_between_pools(train: WeightSpec, rollout: WeightSpec,
                         rollout.on_ranks(range(senders, senders + rollout.mesh.world_size)), bucket_bytes)
 
 
+#: the tag of the message that starts a sync (above every bucket's)
+READY_TAG = 1 << 24
+
+
+def _ready(plan: ReshardPlan, link: Link, timer: PhaseTimer, device) -> None:
+    """Phase `wait`: a one-element message from each train rank to each rollout rank it feeds, so that the
+    phases after it time the transfer, not the wait for the other pool to finish what it was doing."""
+    sent, received = plan.peer_bytes(link.rank)
+    with timer.phase("wait"):
+        link.exchange([("send", torch.zeros(1, device=device), peer, READY_TAG) for peer in sent]
+                      + [("recv", torch.empty(1, device=device), peer, READY_TAG) for peer in received])
+
+
 def send_weights(plan: ReshardPlan, train: "TrainEngine", link: Link) -> SwitchReport:
-    """This train rank's part of a sync: its slices to the rollout ranks that want them, bucket by bucket."""
+    """This train rank's part of a sync: its slices to the rollout ranks that want them, bucket by bucket.
+
+    Phases: `wait` (for the rollout ranks to be ready) and `send`, with the bytes sent."""
     timer = PhaseTimer(train.device, "send")
     sent = sum(plan.peer_bytes(link.rank)[0].values())
+    _ready(plan, link, timer, link.device)
     with timer.phase("send", sent):
         for _ in stream_plan(plan, train.local_weights, rank=link.rank, group=link, materialized=train.materialized):
             pass
@@ -47,10 +65,11 @@ def send_weights(plan: ReshardPlan, train: "TrainEngine", link: Link) -> SwitchR
 def receive_weights(plan: ReshardPlan, rollout: "RolloutEngine", link: Link) -> SwitchReport:
     """This rollout rank's part of a sync: its shards from the train ranks, into `update_weights`.
 
-    Phases: `receive` (waiting for and unpacking the messages) and `load` (the engine's own
-    work on the buckets), with the bytes that land on this rank.
+    Phases: `wait` (for the train ranks to be ready), `receive` (the messages, and unpacking them)
+    and `load` (the engine's own work on the buckets), with the bytes that land on this rank.
     """
     timer = PhaseTimer(rollout.device, "receive")
+    _ready(plan, link, timer, link.device)
     stream = _TimedIterator(stream_plan(plan, None, rank=link.rank, group=link, device=rollout.device))
     with timer.phase("sync") as total:
         rollout.update_weights(stream)

@@ -94,6 +94,12 @@ class SwitchConfig:
     options: dict[str, Any] = field(default_factory=dict)  # more resharder options
 
 
+#: algorithm.gae_norm -> the options of the gae estimator
+GAE_NORMS = {"center_scale": {"whiten_advantages": True, "center": True},
+             "scale": {"whiten_advantages": True, "center": False},
+             "none": {"whiten_advantages": False}}
+
+
 @dataclass
 class AlgorithmConfig:
     name: str = "grpo"  # grpo | ppo
@@ -108,13 +114,19 @@ class AlgorithmConfig:
     entropy_coef: float = 0.0
     loss_agg: str = "token_mean"  # token_mean | seq_mean_token_sum | seq_mean_token_mean
     norm_adv_by_std: bool = True
+    # GAE (ppo): with outcome rewards, gamma = lam = 1 makes each token's advantage the reward minus the
+    # critic's value of the state it was chosen in; the critic learns at 10x the policy's default lr
     gamma: float = 1.0
-    lam: float = 0.95
-    critic_lr: float = 1e-4
+    lam: float = 1.0
+    critic_lr: float = 1e-3
+    critic_warmup: int = 0  # ppo: steps that train the critic alone before the policy learns
+    gae_norm: str = "center_scale"  # ppo: advantages over the batch: center_scale (whiten) | scale | none
     value_clip: float = 0.2
     rollout_correction: str = "none"  # none | tis | mis: correct for rollout/trainer probability gaps
     rollout_correction_level: str = "token"  # token | sequence (product of ratios) | geometric (their mean)
     rollout_correction_cap: float = 2.0  # C: tis weights min(ratio, C); mis keeps ratios in [1/C, C]
+    # run.placement=split: rollout of step k+1 runs while step k trains, on samples up to this many updates old
+    off_policy_steps: int = 0
 
 
 @dataclass
@@ -123,7 +135,6 @@ class RewardConfig:
     model: str | None = None  # a reward model: a folder or preset ('small-add-rm') of a one-output classifier
     weights: list[float] = field(default_factory=lambda: [1.0, 1.0])  # [fn, model] when a model scores
     model_batch_size: int = 32  # completions per reward-model forward
-
 
     def resolved(self, data: "DataConfig") -> str:
         """The reward to load: `fn`, or the one that grades the built-in task (`validate` checks there is one)."""
@@ -135,6 +146,17 @@ class RewardConfig:
         """The rule reward that takes part: `fn`; with no `fn`, the built-in task's own unless a model scores."""
         return self.fn if self.fn or self.model else self.resolved(data)
 
+
+@dataclass
+class PoolsConfig:
+    """run.placement=split: the workers of each pool, and where the other models run."""
+
+    train: int = 1  # workers (one device each) that train the policy (and the critic)
+    rollout: int = 1  # workers (one device each) that run the rollout engine
+    reference: str = "train"  # train | rollout: the pool whose workers hold the KL reference
+    reward_model: str = "rollout"  # rollout | train: the pool whose workers hold reward.model
+    device: str = "auto"  # auto (a GPU per worker when the cluster has GPUs) | cpu | gpu
+    cpus_per_worker: float = 1.0  # CPUs Ray reserves for each worker
 
 
 @dataclass
@@ -151,6 +173,11 @@ class RunConfig:
     samples_per_step: int = 2  # completions printed each step
     plot: bool = True
     progress: bool = True
+    # colocated: every role on every rank, one process per device (torchrun); split: training and rollout on
+    # separate pools of workers started by Ray, driven by this process (run.pools sizes them)
+    placement: str = "colocated"
+    pools: PoolsConfig = field(default_factory=PoolsConfig)
+    ray_address: str = ""  # split: the Ray cluster to join ('auto', 'host:6379'); empty: start one here
 
 
 @dataclass
@@ -227,6 +254,10 @@ class Config:
         if r.dtype and r.dtype not in DTYPES:
             problems.append(f"rollout.dtype={r.dtype!r}: use one of {', '.join(sorted(DTYPES))} "
                             f"(or leave it empty: model.dtype)")
+        if a.gae_norm not in GAE_NORMS:
+            problems.append(f"algorithm.gae_norm={a.gae_norm!r}: use one of {', '.join(GAE_NORMS)}")
+        if a.critic_warmup < 0:
+            problems.append(f"algorithm.critic_warmup={a.critic_warmup} must be >= 0")
         if t.max_tokens_per_micro_batch < 0:
             problems.append(f"train.max_tokens_per_micro_batch={t.max_tokens_per_micro_batch} must be >= 0")
         if a.kl_in not in ("loss", "reward"):
@@ -249,17 +280,18 @@ class Config:
         if t.micro_batch_size and (t.mini_batch_size or batch) % t.micro_batch_size:
             problems.append(f"train.micro_batch_size={t.micro_batch_size} does not divide the mini-batch "
                             f"of {t.mini_batch_size or batch} sequences")
-        if run.prompts_per_step % world_size:
+        if run.placement != "split" and run.prompts_per_step % world_size:
             problems.append(f"run.prompts_per_step={run.prompts_per_step} must divide evenly over {world_size} ranks")
-        for key, text in (("train.mesh", t.mesh), ("rollout.mesh", r.mesh)):
+        for key, text, role in (("train.mesh", t.mesh, "train"), ("rollout.mesh", r.mesh, "rollout")):
             if text:
                 try:
-                    MeshSpec.parse(text).validate(world_size)
+                    MeshSpec.parse(text).validate(self.ranks_of(role, world_size))
                 except MeshError as err:
                     problems.append(f"{key}: {err}")
         if run.steps < 1:
             problems.append(f"run.steps={run.steps} must be >= 1")
         problems += self._lora_and_reward_model_problems()
+        problems += self._placement_problems()
         if run.resume not in ("auto", "never") and not os.path.isdir(run.resume):
             problems.append(f"run.resume={run.resume!r}: use 'auto', 'never' or an existing checkpoint folder")
         if problems:
@@ -272,6 +304,38 @@ class Config:
         if text in ("auto", ""):
             return "auto"
         return [] if text == "none" else [t.strip() for t in text.split(",") if t.strip()]
+
+    def ranks_of(self, role: str, world_size: int) -> int:
+        """The ranks `role` ('train' or 'rollout') runs on: its pool's size when split, else the world."""
+        return getattr(self.run.pools, role) if self.run.placement == "split" else world_size
+
+    def _placement_problems(self) -> list[str]:
+        run, pools, a = self.run, self.run.pools, self.algorithm
+        problems = []
+        if run.placement not in ("colocated", "split"):
+            return [f"run.placement={run.placement!r}: use colocated or split"]
+        if a.off_policy_steps < 0:
+            problems.append(f"algorithm.off_policy_steps={a.off_policy_steps} must be >= 0 (0: on-policy)")
+        if run.placement == "colocated":
+            if a.off_policy_steps:
+                problems.append(f"algorithm.off_policy_steps={a.off_policy_steps} needs run.placement=split: "
+                                f"colocated, rollout and training take turns on the same devices")
+            return problems
+        for role in ("train", "rollout"):
+            size = getattr(pools, role)
+            if size < 1:
+                problems.append(f"run.pools.{role}={size} must be >= 1")
+            elif run.prompts_per_step % size:
+                problems.append(f"run.prompts_per_step={run.prompts_per_step} must divide evenly over the "
+                                f"{size} workers of run.pools.{role}")
+        for key, value, where in (("reference", pools.reference, ("train", "rollout")),
+                                  ("reward_model", pools.reward_model, ("train", "rollout")),
+                                  ("device", pools.device, ("auto", "cpu", "gpu"))):
+            if value not in where:
+                problems.append(f"run.pools.{key}={value!r}: use one of {', '.join(where)}")
+        if pools.cpus_per_worker <= 0:
+            problems.append(f"run.pools.cpus_per_worker={pools.cpus_per_worker} must be > 0")
+        return problems
 
     def _lora_and_reward_model_problems(self) -> list[str]:
         lora, rw = self.model.lora, self.reward

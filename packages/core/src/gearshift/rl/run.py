@@ -45,7 +45,10 @@ class Trainer:
 
     def train(self) -> list[dict]:
         """Run every step; returns the metrics of each."""
-        from .controller import Controller
+        if self.config.run.placement == "split":
+            from .split import SplitController as Controller
+        else:
+            from .controller import Controller
 
         self.controller = Controller(self.config, reward_fn=self._reward, dataset=self._dataset)
         return self.controller.fit()

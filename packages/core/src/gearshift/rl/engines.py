@@ -1,0 +1,80 @@
+"""The engines a run config names, built the same way wherever they run.
+
+The colocated controller builds them all in one process group; with training
+and rollout on separate pools (`run.placement=split`), each pool's workers
+build theirs from the same functions, so both placements get the same
+options.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .. import registry
+from .config import Config, ConfigError
+
+SHARE = {"auto": None, "on": True, "off": False}
+
+
+def train_options(cfg: Config, model_path: str) -> dict[str, Any]:
+    """What the policy is built from (the reference and the critic start from it too)."""
+    t = cfg.train
+    return {"model": model_path, "dtype": cfg.model.dtype, "seed": cfg.run.seed, "mesh": t.mesh or None,
+            "lr": t.lr, "weight_decay": t.weight_decay, "max_grad_norm": t.max_grad_norm,
+            "micro_batch_size": t.micro_batch_size or None,
+            "max_tokens_per_micro_batch": t.max_tokens_per_micro_batch or None,
+            "dropout": cfg.model.dropout, **cfg.model.lora.train_options(), **t.options}
+
+
+def build_policy(cfg: Config, model_path: str):
+    return registry.create("train", cfg.train.backend, **train_options(cfg, model_path))
+
+
+def build_reference(cfg: Config, model_path: str, **override: Any):
+    """A frozen copy of the starting policy (it never steps, so it holds no optimizer state); None without KL.
+    `override`: options that differ from the policy's (another pool's `mesh`)."""
+    if cfg.algorithm.kl_coef <= 0:
+        return None
+    return registry.create("train", cfg.train.backend, **{**train_options(cfg, model_path), **override})
+
+
+def check_context(cfg: Config, model_path: str) -> None:
+    """Prompt and completion must fit the model's context, before anything is built."""
+    from transformers import AutoConfig
+
+    model_config = AutoConfig.from_pretrained(model_path)
+    context = cfg.rollout.max_model_len or getattr(model_config, "max_position_embeddings", None) or \
+        getattr(model_config, "n_positions", None)
+    if context and cfg.data.max_prompt_len + cfg.rollout.max_tokens > context:
+        raise ConfigError(cfg.context_problem(context))
+
+
+def build_critic(cfg: Config, model_path: str):
+    """The value model of PPO: the policy's model with a value head, at the critic's learning rate; else None."""
+    if cfg.algorithm.name != "ppo":
+        return None
+    return registry.create("train", cfg.train.backend,
+                           **{**train_options(cfg, model_path), "lr": cfg.algorithm.critic_lr}, value_head=True)
+
+
+def build_rollout(cfg: Config, model_path: str):
+    """The rollout engine, checked to hold a prompt and its completion."""
+    r = cfg.rollout
+    rollout = registry.create("rollout", r.backend, model=model_path, dtype=r.dtype or cfg.model.dtype,
+                              seed=cfg.run.seed, mesh=r.mesh or None, max_model_len=r.max_model_len, **r.options)
+    if rollout.max_model_len < cfg.data.max_prompt_len + r.max_tokens:
+        raise ConfigError(cfg.context_problem(rollout.max_model_len) + f" (the {r.backend} engine's context)")
+    return rollout
+
+
+def build_resharder(cfg: Config):
+    sw = cfg.switch
+    return registry.create("reshard", sw.resharder, bucket_bytes=sw.bucket_mb << 20, **sw.options,
+                           **({"share": SHARE[sw.share]} if sw.resharder == "stream" else {}))
+
+
+def build_reward_model(cfg: Config, path: str, device, dtype):
+    """The learned reward of `reward.model` (already resolved to `path`) on `device`."""
+    from .reward_model import RewardModel
+
+    return RewardModel(path, device=device, dtype=dtype, batch_size=cfg.reward.model_batch_size)

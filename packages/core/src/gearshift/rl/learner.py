@@ -1,0 +1,124 @@
+"""One rank's learning step: from scored rollouts to an update of the policy (and critic).
+
+The trainer's logprobs of the sampled tokens, the rollout correction, the
+reference's logprobs and KL, the critic's values, advantages, then the policy
+(and critic) update over mini-batches. The colocated controller runs it on
+every rank after the rollout; with training on its own pool
+(`run.placement=split`), every train worker runs it on the groups it is given.
+"""
+
+from __future__ import annotations
+
+import statistics
+from typing import Callable, ContextManager, Sequence
+
+import torch
+
+from ..rollout import Rollout
+from ..train import TrainBatch, TrainEngine
+from .algos import (
+    ROLLOUT_WEIGHTS, TOKENS_PER_SEQ, compute_advantages, kl_estimate, kl_in_reward, make_policy_loss_fn,
+    make_value_loss_fn, rollout_correction, tokens_per_seq,
+)
+from .config import GAE_NORMS, Config
+
+Timed = Callable[[str], ContextManager]
+
+
+def _mean(xs: list[float]) -> float:
+    return statistics.fmean(xs) if xs else 0.0
+
+
+def response_logprobs(rollouts: Sequence[Rollout], values: Sequence[Sequence[float]], like: torch.Tensor) -> torch.Tensor:
+    """Per-token values of each rollout's response tokens placed as a `TrainBatch` aligns them ([B, T] like `like`)."""
+    out = torch.zeros_like(like)
+    for i, (x, v) in enumerate(zip(rollouts, values)):
+        out[i, len(x.prompt_ids):len(x.prompt_ids) + len(x.token_ids)] = torch.tensor(v, dtype=out.dtype)
+    return out
+
+
+class Learner:
+    """The policy, and the reference and critic when the algorithm has them, and how one step updates them."""
+
+    def __init__(self, config: Config, policy: TrainEngine, reference: TrainEngine | None = None,
+                 critic: TrainEngine | None = None, pad_id: int = 0) -> None:
+        a = config.algorithm
+        self.config, self.policy, self.reference, self.critic, self.pad_id = config, policy, reference, critic, pad_id
+        self.advantage = a.advantage or ("gae" if a.name == "ppo" else "grpo")
+        self.policy_loss = make_policy_loss_fn(
+            a.policy_loss, kl_coef=a.kl_coef if a.kl_in == "loss" else 0.0, kl_estimator=a.kl_estimator,
+            kl_in_loss=a.kl_in == "loss", entropy_coef=a.entropy_coef, agg=a.loss_agg,
+            **({"clip_low": a.clip_low, "clip_high": a.clip_high} if a.policy_loss == "ppo_clip" else {}),
+        )
+        self.value_loss = make_value_loss_fn(clip=a.value_clip, agg=a.loss_agg) if critic else None
+
+    def engines(self) -> dict[str, TrainEngine]:
+        """The engines a checkpoint holds (the reference never changes, so it is not among them)."""
+        engines = {"policy": self.policy}
+        if self.critic is not None:
+            engines["critic"] = self.critic
+        return engines
+
+    def learn(self, kept: list[Rollout], rewards: list[float], step: int, timed: Timed,
+              ref_logprobs: Sequence[Sequence[float]] | None = None) -> dict[str, float]:
+        """Update on `kept` (rollouts grouped by `prompt_index`) scored `rewards`; `step` counts the updates so
+        far. `ref_logprobs` are the reference's logprobs of each response's tokens when another pool computed
+        them (else the reference here does, when the algorithm has KL)."""
+        cfg, a = self.config, self.config.algorithm
+        batch = TrainBatch.from_sequences([x.prompt_ids for x in kept], [x.token_ids for x in kept],
+                                          pad_id=self.pad_id)
+        mask = batch.loss_mask
+        group_ids = torch.tensor([x.prompt_index for x in kept])
+        reward_t = torch.tensor(rewards, dtype=torch.float32)
+        with timed("old_logprobs"):
+            old = self.policy.forward_logprobs(batch).logprobs.cpu()
+        rollout_lp = response_logprobs(kept, [x.logprobs for x in kept], old)
+        gap = (old - rollout_lp).abs() * mask
+        out = {"mismatch/logprob_max": float(gap.max()),
+               "mismatch/logprob_mean": float(gap.sum() / mask.sum().clamp(min=1))}
+        extras = {"old_logprobs": old}
+        weights, corrected = rollout_correction(old, rollout_lp, mask, mode=a.rollout_correction,
+                                                level=a.rollout_correction_level, cap=a.rollout_correction_cap)
+        out.update({f"rollout_correction/{k}": v for k, v in corrected.items()})
+        if weights is not None:
+            extras[ROLLOUT_WEIGHTS] = weights
+        token_rewards = reward_t
+        ref = None
+        if ref_logprobs is not None:
+            ref = response_logprobs(kept, ref_logprobs, old)
+        elif self.reference is not None:
+            with timed("ref_logprobs"):
+                ref = self.reference.forward_logprobs(batch).logprobs.cpu()
+        if ref is not None:
+            extras["ref_logprobs"] = ref
+            out["kl/ref"] = float((kl_estimate(old, ref, a.kl_estimator) * mask).sum() / mask.sum().clamp(min=1))
+            if a.kl_in == "reward":
+                token_rewards, _ = kl_in_reward(reward_t, mask, old, ref, kl_coef=a.kl_coef, estimator=a.kl_estimator)
+        values = None
+        if self.critic is not None:
+            with timed("values"):
+                values = self.critic.forward_logprobs(batch).values.cpu() * mask
+            extras["old_values"] = values
+        options = {"gamma": a.gamma, "lam": a.lam, **GAE_NORMS[a.gae_norm]} if self.advantage == "gae" else {}
+        if self.advantage == "grpo":
+            options["norm_by_std"] = a.norm_adv_by_std
+        adv, returns = compute_advantages(self.advantage, token_rewards, mask, group_ids=group_ids,
+                                          values=values, **options)
+        extras.update(advantages=adv, returns=returns)
+        batch.extras.update(extras)
+        train_metrics: list[dict[str, float]] = []
+        # the critic's warm-up: its first steps train the critic alone, so that the first policy updates
+        # get advantages from values fitted to this policy's returns rather than from an untrained head
+        policy_learns = self.critic is None or step >= a.critic_warmup
+        with timed("train"):
+            for _ in range(a.epochs):
+                for mini in batch.micro_batches(cfg.train.mini_batch_size or None):
+                    # exact token means across micro-batches need each mini-batch's token counts
+                    mini.extras[TOKENS_PER_SEQ] = tokens_per_seq(mini.loss_mask)
+                    train_metrics.append(self.policy.train_step(mini, self.policy_loss) if policy_learns else {})
+                    if self.critic is not None:
+                        critic_m = self.critic.train_step(mini, self.value_loss)
+                        train_metrics[-1].update({f"critic/{k}": v for k, v in critic_m.items()})
+        keys = {k for m in train_metrics for k in m}
+        out.update({f"train/{k}": _mean([m[k] for m in train_metrics if k in m]) for k in sorted(keys)})
+        return out
