@@ -226,3 +226,9 @@ def test_the_rollout_mesh_must_cover_the_train_mesh_ranks():
     spec = WeightSpec.from_tensors({"w": torch.zeros(4, 4)}, MeshSpec(dp=2))
     with pytest.raises(WeightError, match="both must cover the same ranks"):
         plan_reshard(spec, WeightSpec.from_tensors({"w": torch.zeros(4, 4)}, MeshSpec(dp=4)))
+
+
+def test_conformance_with_an_unknown_model_fails_once_before_pytest(capsys):
+    assert main(["conformance", "--train", "torch", "--rollout", "hf", "--model", "no-such-model"]) == 2
+    err = capsys.readouterr().err
+    assert "'no-such-model' is neither a folder nor a preset" in err and "passed" not in err

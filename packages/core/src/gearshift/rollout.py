@@ -81,7 +81,13 @@ class SamplingParams:
 
 @dataclass
 class Rollout:
-    """One sampled completion of one prompt."""
+    """One sampled completion of one prompt.
+
+    `token_ids` and `logprobs` cover every generated token, the one that ended generation included
+    (EOS, a stop token id, or the token completing a stop string). `text`, when the engine sets it, is
+    the decoded completion with special tokens skipped, cut before a stop string; rewards read it when
+    set (else the loop decodes `token_ids`).
+    """
 
     prompt_ids: list[int]
     token_ids: list[int]
@@ -91,6 +97,12 @@ class Rollout:
     sample_index: int = 0
     text: str | None = None
     extra: dict = field(default_factory=dict)
+
+
+def text_before_stop(text: str, stop: Sequence[str]) -> str:
+    """`text` up to the first of the stop strings in it: a completion's text leaves its stop string out."""
+    ends = [text.find(s) for s in stop if s in text]
+    return text[:min(ends)] if ends else text
 
 
 class RolloutEngine(Buildable, ABC):
@@ -148,8 +160,10 @@ class RolloutEngine(Buildable, ABC):
         The tensors stay the caller's: the engine only reads them, and the caller must not
         change them while the engine serves (the `HybridActor` trains only after `sleep`, which
         lets go of them). Works whether or not the weights are asleep, since it needs no memory
-        of the engine's own. A bad bucket raises `WeightError` before any of it is taken.
-        A later `update_weights` first gives the engine its own copy again.
+        of the engine's own, and leaves them awake: the switch does not call `wake(["weights"])`
+        after sharing. A bad bucket raises `WeightError` before any of it is taken. A later
+        `update_weights` gives the engine its own copy again and never writes into the borrowed
+        tensors; `sleep` lets go of them; `resident_bytes()` counts only memory the engine owns.
         Engines that can do this set `can_share_weights = True`.
         """
         raise NotImplementedError(f"{type(self).__name__} cannot serve from another engine's tensors")

@@ -14,7 +14,7 @@ import torch
 from .. import dist as gdist
 from ..hf import load_causal_lm, tied_aliases
 from ..options import option
-from ..rollout import Rollout, RolloutArgs, RolloutEngine, RolloutError, SamplingParams
+from ..rollout import Rollout, RolloutArgs, RolloutEngine, RolloutError, SamplingParams, text_before_stop
 from ..weights import WeightBucket, WeightError, WeightSpec
 
 
@@ -99,7 +99,7 @@ class HFRolloutEngine(RolloutEngine):
             rollouts.append(Rollout(
                 prompts[prompt_index], tokens[:n], picked[row, :n].tolist(), reason,
                 prompt_index=offset + prompt_index, sample_index=row % sampling.n,
-                text=self.tokenizer.decode(tokens[:n], skip_special_tokens=True),
+                text=text_before_stop(self.tokenizer.decode(tokens[:n], skip_special_tokens=True), sampling.stop),
             ))
         return rollouts
 
@@ -109,7 +109,7 @@ class HFRolloutEngine(RolloutEngine):
             if t in eos:
                 return i + 1, "stop"
             if stop:
-                text = self.tokenizer.decode(tokens[: i + 1])
+                text = self.tokenizer.decode(tokens[: i + 1], skip_special_tokens=True)
                 if any(s in text for s in stop):
                     return i + 1, "stop"
         return len(tokens), "length"

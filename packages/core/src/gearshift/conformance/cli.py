@@ -24,9 +24,13 @@ def conformance_command(args: argparse.Namespace) -> int:
         raise ValueError("name a backend: --train NAME and/or --rollout NAME (see 'gearshift backends')")
     from .. import registry
 
+    from ..models import known_model, unknown_model
+
     for kind, name in (("train", args.train), ("rollout", args.rollout)):
         if name:
             registry.load(kind, name)  # a clear error now rather than one per test
+    if not known_model(args.model):
+        raise ValueError(unknown_model(args.model))
     selected = {"train": ["TestTrain"], "rollout": ["TestRollout"]}
     classes = (selected["train"] if args.train else []) + (selected["rollout"] if args.rollout else [])
     if args.train and args.rollout:

@@ -146,9 +146,18 @@ class PairSuite:
             request.config.getoption("--gearshift-budget"))
         if share is False and not HybridActor(train_engine, rollout_engine).plan.share:
             pytest.skip("this pair copies by default: the default case measured it")
-        bench = measure_pair(train_engine, rollout_engine, switches=5, naive_switches=3,
-                             naive_dir=str(gearshift_shared_tmp), labels=(train_name, rollout_name, "suite"),
-                             share=share)
+        def measure(times: int):
+            return measure_pair(train_engine, rollout_engine, switches=5 * times, naive_switches=3 * times,
+                                naive_dir=str(gearshift_shared_tmp), labels=(train_name, rollout_name, "suite"),
+                                share=share)
+
+        bench = measure(1)
+        limit = budget.limit(bench.copy_s, bench.engine_load_s)
+        if bench.sync_s > limit or bench.naive_s < budget.m * bench.sync_s:
+            # medians of a few switches on a busy machine: measured again, with three times the switches,
+            # before the budget is judged (on a tiny model sync and naive can be milliseconds apart)
+            print(bench.table())
+            bench = measure(3)
         print(bench.table())
         for key, value in {"sync_s": bench.sync_s, "naive_s": bench.naive_s, "copy_s": bench.copy_s,
                            "engine_load_s": bench.engine_load_s}.items():

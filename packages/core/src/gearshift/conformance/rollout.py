@@ -85,6 +85,39 @@ class RolloutEngineSuite:
         assert out[0].token_ids == [first]
         assert out[0].finish_reason == "stop"
 
+    def test_a_seed_repeats_its_samples_and_the_n_samples_differ(self, rollout_engine):
+        sampling = SamplingParams(n=4, temperature=1.0, max_tokens=6, seed=11)
+        first, again = rollout_engine.generate(PROMPTS, sampling), rollout_engine.generate(PROMPTS, sampling)
+        assert same_outputs(first, again), "the same seed, prompts and sampling must give the same samples"
+        for i in range(len(PROMPTS)):
+            samples = {tuple(r.token_ids) for r in first if r.prompt_index == i}
+            assert len(samples) > 1, f"the 4 samples of prompt {i} are all the same: each needs its own draw"
+
+    def test_top_k_one_samples_the_greedy_tokens(self, rollout_engine, baseline):
+        out = rollout_engine.generate(PROMPTS, SamplingParams(n=2, temperature=1.0, top_k=1, max_tokens=8, seed=4))
+        for r in out:
+            assert r.token_ids == baseline[r.prompt_index].token_ids, "top_k=1 must leave only the most likely token"
+
+    def test_a_stop_string_ends_generation(self, rollout_engine, baseline, gearshift_model):
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(gearshift_model)
+        # a stop string that a greedy completion reaches: the text one of its tokens adds (whole characters)
+        for i, rollout in enumerate(baseline):
+            greedy = rollout.token_ids
+            texts = [tokenizer.decode(greedy[:j + 1], skip_special_tokens=True) for j in range(len(greedy))]
+            pieces = [t[len(before):] for before, t in zip([""] + texts, texts) if t.startswith(before)]
+            stop = next((p for p in pieces if p.strip() and "\ufffd" not in p), None)
+            if stop is not None:
+                break
+        else:
+            pytest.skip("no greedy completion of this model adds a whole printable character")
+        end = next(j for j, t in enumerate(texts) if stop in t)
+        out = rollout_engine.generate([PROMPTS[i]], SamplingParams(temperature=0.0, max_tokens=8, stop=(stop,)))
+        assert out[0].finish_reason == "stop", f"stop string {stop!r} did not end generation"
+        assert out[0].token_ids == greedy[:end + 1], "generation ends with the token that completes the stop string"
+        assert out[0].text is None or stop not in out[0].text, "text is cut before the stop string"
+
     def test_logprobs_are_those_of_temperature_one_at_any_temperature(self, rollout_engine, gearshift_model):
         out = rollout_engine.generate(PROMPTS, SamplingParams(n=2, temperature=0.7, max_tokens=8, seed=5))
         diff = reference_logprob_diff(gearshift_model, out)

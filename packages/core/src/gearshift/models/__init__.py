@@ -50,11 +50,28 @@ def resolve_model(model: str, cache_dir: str | os.PathLike | None = None) -> str
         from .warmup import TASK_MODEL_OPTIONS, build_task_model
 
         return build_task_model(folder, preset, suffix, **TASK_MODEL_OPTIONS.get(suffix, {}))
-    raise ValueError(
-        f"model {model!r} is neither a folder nor a preset; presets: {sorted(PRESETS)}, "
-        f"'<preset>-<arch>' with an architecture from {list(ARCHS)}, or '<preset>-<task>' with a task from "
-        f"{sorted(TASKS)}; reward models '<preset>-rm' and '<preset>-<task>-rm'"
-    )
+    raise ValueError(unknown_model(model))
 
 
-__all__ = ["ARCHS", "PRESETS", "build_model", "build_reward_model", "build_tokenizer", "resolve_model"]
+def known_model(model: str) -> bool:
+    """Whether `resolve_model` takes `model` (a folder or a preset name), without building anything."""
+    from ..rl.tasks import TASKS
+
+    if os.path.isdir(model) or model in PRESETS:
+        return True
+    preset, _, suffix = model.rpartition("-")
+    if suffix == "rm":
+        base, _, task = preset.rpartition("-")
+        return preset in PRESETS or (base in PRESETS and task in TASKS)
+    return preset in PRESETS and (suffix in ARCHS or suffix in TASKS)
+
+
+def unknown_model(model: str) -> str:
+    from ..rl.tasks import TASKS
+
+    return (f"model {model!r} is neither a folder nor a preset; presets: {sorted(PRESETS)}, "
+            f"'<preset>-<arch>' with an architecture from {list(ARCHS)}, or '<preset>-<task>' with a task from "
+            f"{sorted(TASKS)}; reward models '<preset>-rm' and '<preset>-<task>-rm'")
+
+
+__all__ = ["ARCHS", "PRESETS", "build_model", "build_reward_model", "build_tokenizer", "known_model", "resolve_model"]
