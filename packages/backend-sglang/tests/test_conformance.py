@@ -1,4 +1,5 @@
-"""The core conformance suite: the sglang rollout engine alone, and paired with the `torch` and `fsdp` trainers."""
+"""The core conformance suite: the sglang rollout engine alone, and paired with the `torch`, `fsdp` and `deepspeed`
+trainers (ZeRO-3: each bucket gathered while it is sent)."""
 
 import pytest
 
@@ -10,6 +11,10 @@ try:
     from gearshift_fsdp.engine import FSDPTrainEngine
 except ImportError:  # the fsdp backend is not installed here: its pair is skipped
     FSDPTrainEngine = None
+try:
+    from gearshift_deepspeed.engine import DeepSpeedTrainEngine
+except ImportError:  # the deepspeed backend is not installed here: its pair is skipped
+    DeepSpeedTrainEngine = None
 
 
 class TestSGLangRollout(RolloutEngineSuite):
@@ -39,6 +44,21 @@ class TestFSDPSGLangPair(PairSuite):
     @pytest.fixture(scope="class")
     def train_engine(self, gearshift_model):
         return FSDPTrainEngine.build(gearshift_model, lr=1e-2, param_dtype="float32")
+
+    @pytest.fixture
+    def rollout_engine(self, serving_model_weights):
+        return serving_model_weights
+
+
+@pytest.mark.skipif(DeepSpeedTrainEngine is None, reason="gearshift-deepspeed is not installed")
+class TestDeepSpeedSGLangPair(PairSuite):
+    train_backend, rollout_backend = DeepSpeedTrainEngine, SGLangRolloutEngine
+
+    @pytest.fixture(scope="class")
+    def train_engine(self, gearshift_model):
+        engine = DeepSpeedTrainEngine.build(gearshift_model, lr=1e-2, zero_stage=3)
+        yield engine
+        engine.close()
 
     @pytest.fixture
     def rollout_engine(self, serving_model_weights):

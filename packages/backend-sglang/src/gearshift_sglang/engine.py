@@ -36,7 +36,7 @@ from gearshift.options import option
 from gearshift.rollout import ROLLOUT_TAGS, Rollout, RolloutArgs, RolloutEngine, RolloutError, SamplingParams
 from gearshift.weights import WeightBucket, WeightError, WeightSpec
 
-from .host import cache_environment, contained, default_cache_dir
+from .host import cache_environment, contained, default_cache_dir, temp_dir
 from .imports import cpu_environment, importing_sglang
 from .weights import FlatBuckets
 
@@ -83,6 +83,9 @@ class SGLangRolloutEngine(RolloutEngine):
                                                    "repeated request can differ in the last bits (4.8e-7 in fp32)")
         release_memory: bool | None = option(None, "sleep releases memory through SGLang (None: on GPU only; "
                                                    "on CPU it frees nothing and costs ~0.5 s)")
+        sleep_on_idle: bool = option(True, "SGLang's scheduler waits on its sockets while it has no work "
+                                           "instead of polling them (otherwise it keeps a core busy while "
+                                           "the trainer runs)")
         engine_kwargs: dict[str, Any] = option({}, "passed to sglang.Engine as they are")
 
     def __init__(self, args: RolloutArgs, options: "SGLangRolloutEngine.Options | None" = None) -> None:
@@ -107,7 +110,7 @@ class SGLangRolloutEngine(RolloutEngine):
         kwargs: dict[str, Any] = dict(
             model_path=self.model_path, dtype=args.dtype, random_seed=args.seed, log_level="error",
             context_length=args.max_model_len, disable_radix_cache=not opts.enable_prefix_caching,
-            skip_server_warmup=True,
+            skip_server_warmup=True, sleep_on_idle=opts.sleep_on_idle,
         )
         if self.on_gpu:
             kwargs.update(base_gpu_id=self.device.index or 0, mem_fraction_static=opts.mem_fraction_static,
@@ -119,8 +122,9 @@ class SGLangRolloutEngine(RolloutEngine):
             kwargs["max_total_tokens"] = max(1, int(kv_bytes) // _kv_bytes_per_token(config, self.dtype))
         kwargs.update(opts.engine_kwargs)
 
+        self._tmp = temp_dir(self.cache_dir)
         self._env = {**cache_environment(self.cache_dir), **({} if self.on_gpu else cpu_environment())}
-        with contained(self._env, self.cache_dir / "tmp") as host:
+        with contained(self._env, self._tmp) as host:
             Engine = import_sglang()
             from . import children  # prepares the imports on import: only once SGLang is wanted
 
@@ -147,7 +151,7 @@ class SGLangRolloutEngine(RolloutEngine):
         """Around every call into SGLang: its event loop policy and variables, the host's state kept."""
         if self._engine is None:
             raise RolloutError("the sglang engine is closed")
-        with contained(self._env, self.cache_dir / "tmp", self._loop_policy):
+        with contained(self._env, self._tmp, self._loop_policy):
             yield
 
     # --- generation -----------------------------------------------------------------------
@@ -266,7 +270,7 @@ class SGLangRolloutEngine(RolloutEngine):
 
     def resident_bytes(self) -> dict[str, int]:
         """Bytes the scheduler process holds in the model's parameters and the KV cache, measured there."""
-        report = self.cache_dir / "tmp" / f"memory-{id(self)}.json"
+        report = self._tmp / f"memory-{id(self)}.json"
         with self._calling_sglang():
             self._engine.collective_rpc("gearshift_report", path=str(report))
         held = json.loads(report.read_text())
@@ -278,7 +282,7 @@ class SGLangRolloutEngine(RolloutEngine):
         engine, self._engine = getattr(self, "_engine", None), None
         if engine is None:
             return
-        with contained(self._env, self.cache_dir / "tmp", self._loop_policy):
+        with contained(self._env, self._tmp, self._loop_policy):
             engine.shutdown()
         self._flat.release()
 

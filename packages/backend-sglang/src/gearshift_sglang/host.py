@@ -21,6 +21,7 @@ scheduler).
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 import multiprocessing
 import os
@@ -44,15 +45,30 @@ def default_cache_dir() -> Path:
     return Path(os.environ.get("GEARSHIFT_CACHE", Path.home() / ".cache" / "gearshift")) / "sglang"
 
 
+#: the longest temporary folder that leaves room for the socket names made in it (AF_UNIX paths: 107 bytes;
+#: multiprocessing adds "/pymp-XXXXXXXX/listener-XXXXXXXX")
+MAX_SOCKET_DIR = 64
+
+
+def temp_dir(root: str | os.PathLike) -> Path:
+    """SGLang's temporary folder, `root/tmp`; where that path is too long for the sockets made in it, a short
+    private folder under /tmp named after it (the same one for the same `root`)."""
+    path = Path(root).resolve() / "tmp"
+    if len(str(path)) > MAX_SOCKET_DIR:
+        digest = hashlib.sha1(str(path).encode()).hexdigest()[:12]
+        path = Path("/tmp") / f"gearshift-sglang-{os.getuid()}-{digest}"
+    path.mkdir(parents=True, exist_ok=True, mode=0o700)
+    return path
+
+
 def cache_environment(root: str | os.PathLike) -> dict[str, str]:
-    """SGLang's and its compilers' cache folders, and the temporary directory, under `root`."""
+    """SGLang's and its compilers' cache folders under `root`, and its temporary folder (`temp_dir`)."""
     root = Path(root)
-    (root / "tmp").mkdir(parents=True, exist_ok=True)
     return {
         "SGLANG_CACHE_DIR": str(root / "cache"),
         "TRITON_CACHE_DIR": str(root / "cache" / "triton"),
         "TORCHINDUCTOR_CACHE_DIR": str(root / "cache" / "inductor"),
-        "TMPDIR": str(root / "tmp"),  # SGLang's IPC sockets; its child processes read it at start
+        "TMPDIR": str(temp_dir(root)),  # SGLang's IPC sockets; its child processes read it at start
     }
 
 
