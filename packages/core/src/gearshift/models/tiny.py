@@ -114,7 +114,8 @@ ARCHS: dict[str, tuple[str, object]] = {
     "phi": ("PhiConfig", lambda s: dict(_without(s, "head_dim"), partial_rotary_factor=0.5)),
     "stablelm": ("StableLmConfig", lambda s: dict(_without(s, "head_dim"), partial_rotary_factor=0.25)),
     "gpt2": ("GPT2Config", lambda s: _gpt(s)),
-    "gptj": ("GPTJConfig", lambda s: _gpt(s, rotary_dim=s["head_dim"] // 2)),
+    # GPT-J checkpoints keep their own output head (with a bias), and vLLM's GPT-J expects one
+    "gptj": ("GPTJConfig", lambda s: _gpt(s, rotary_dim=s["head_dim"] // 2, tie_word_embeddings=False)),
     "opt": ("OPTConfig", lambda s: dict(hidden_size=s["hidden_size"], ffn_dim=s["intermediate_size"],
                                         num_hidden_layers=s["num_hidden_layers"],
                                         num_attention_heads=s["num_attention_heads"],
@@ -139,9 +140,10 @@ def _config(arch: str, shape: dict, tokenizer, dtype: str):
     if shape["vocab_size"] < len(tokenizer):
         raise ValueError(f"vocab_size {shape['vocab_size']} is smaller than the tokenizer's {len(tokenizer)}")
     class_name, names = ARCHS[arch]
+    options = {"tie_word_embeddings": True, **names(shape)}
     return getattr(transformers, class_name)(
-        **names(shape), bos_token_id=tokenizer.eos_token_id, eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id, tie_word_embeddings=True, dtype=dtype,
+        **options, bos_token_id=tokenizer.eos_token_id, eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id, dtype=dtype,
     )
 
 
