@@ -1,6 +1,8 @@
 """The core conformance suite: the sglang rollout engine alone, and paired with the `torch`, `fsdp` and `deepspeed`
 trainers (ZeRO-3: each bucket gathered while it is sent)."""
 
+import os
+
 import pytest
 
 from gearshift.backends.torch_train import TorchTrainEngine
@@ -56,9 +58,12 @@ class TestDeepSpeedSGLangPair(PairSuite):
 
     @pytest.fixture(scope="class")
     def train_engine(self, gearshift_model):
+        had_local_rank = "LOCAL_RANK" in os.environ
         engine = DeepSpeedTrainEngine.build(gearshift_model, lr=1e-2, zero_stage=3)
         yield engine
         engine.close()
+        if not had_local_rank:  # DeepSpeed needs LOCAL_RANK for an engine's life, set to 0 in a plain process
+            os.environ.pop("LOCAL_RANK", None)  # test_engine.py checks what SGLang alone leaves in the environment
 
     @pytest.fixture
     def rollout_engine(self, serving_model_weights):
