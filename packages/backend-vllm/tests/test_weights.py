@@ -143,3 +143,17 @@ def test_every_weight_lands_straight_in_vllm_storage_with_the_plain_layout(engin
     changed = perturbed(original)
     engine.update_weights(as_buckets(changed, engine.device))
     assert transformers_diff(engine.generate(PROMPTS, GREEDY), changed) <= 1e-4
+
+
+def test_a_uniform_tensor_lands_directly_only_beside_siblings_that_verified():
+    """A zero bias matches a view whatever order vLLM keeps its elements in: it is trusted only if the
+    weights of its module were found in place (BLOOM's query_key_value is re-ordered on load)."""
+    from gearshift_vllm.weights import verified_landing
+
+    weight = torch.arange(12.0).reshape(6, 2)
+    served = {"a.qkv.weight": weight.reshape(2, 3, 2).transpose(0, 1).reshape(6, 2),  # re-ordered rows
+              "a.qkv.bias": torch.zeros(6), "a.norm.weight": torch.ones(4),
+              "b.proj.weight": weight.clone(), "b.proj.bias": torch.zeros(6)}
+    checkpoint = [("a.qkv.weight", weight), ("a.qkv.bias", torch.zeros(6)), ("a.norm.weight", torch.ones(4)),
+                  ("b.proj.weight", weight), ("b.proj.bias", torch.zeros(6))]
+    assert set(verified_landing(served, checkpoint)) == {"a.norm.weight", "b.proj.weight", "b.proj.bias"}

@@ -142,14 +142,27 @@ def landing_views(model: torch.nn.Module, names: Iterable[str], units: Mapping[s
 @torch.no_grad()
 def verified_landing(views: Mapping[str, torch.Tensor],
                      checkpoint: Iterable[tuple[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-    """The views that hold exactly the checkpoint's tensor (cut to its rows where vLLM pads them)."""
-    out = {}
+    """The views that hold exactly the checkpoint's tensor (cut to its rows where vLLM pads them).
+
+    A tensor whose elements are all equal (a freshly initialised bias or norm) matches a view
+    whatever order vLLM put its elements in; it counts only if no tensor of its module failed the
+    check (BLOOM's fused query_key_value, which vLLM re-orders on load: its weight fails, and its
+    zero bias must not be written in place either).
+    """
+    out, failed_modules, uniform = {}, set(), {}
     for name, saved in checkpoint:
+        module = name.rpartition(".")[0]
         view = views.get(name)
         if view is None or view.dim() != saved.dim() or view.shape[1:] != saved.shape[1:] \
                 or view.shape[0] < saved.shape[0]:
+            failed_modules.add(module)
             continue
         view = view[: saved.shape[0]]
-        if torch.equal(view, saved.to(view.device, view.dtype)):
+        if not torch.equal(view, saved.to(view.device, view.dtype)):
+            failed_modules.add(module)
+        elif saved.numel() > 1 and bool((saved == saved.reshape(-1)[0]).all()):
+            uniform[name] = view
+        else:
             out[name] = view
+    out.update({n: v for n, v in uniform.items() if n.rpartition(".")[0] not in failed_modules})
     return out
