@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import json
 import random
+import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -44,6 +45,10 @@ INSTALL = "pip install 'gearshift-sglang[cpu]' && tools/install_sglang.sh (CPU),
 CPU_RELEASES_NOTHING = "CPU SGLang releases nothing: its memory saver needs CUDA"
 DEFAULT_CPU_KV_CACHE_BYTES = 256 << 20
 TOP_K_ALL = -1  # SGLang's "no top-k"
+
+
+#: flush_cache calls before giving up (about 2 s in all)
+FLUSH_ATTEMPTS = 28
 
 
 def _conformance_xfail() -> dict[str, dict[str, str]]:
@@ -83,9 +88,10 @@ class SGLangRolloutEngine(RolloutEngine):
                                                    "repeated request can differ in the last bits (4.8e-7 in fp32)")
         release_memory: bool | None = option(None, "sleep releases memory through SGLang (None: on GPU only; "
                                                    "on CPU it frees nothing and costs ~0.5 s)")
-        sleep_on_idle: bool = option(True, "SGLang's scheduler waits on its sockets while it has no work "
-                                           "instead of polling them (otherwise it keeps a core busy while "
-                                           "the trainer runs)")
+        sleep_on_idle: bool = option(False, "SGLang's scheduler waits on its sockets while it has no work "
+                                            "instead of polling them: frees the core it keeps busy while the "
+                                            "trainer runs; off by default until its timing on the CPU is "
+                                            "understood (see the README)")
         engine_kwargs: dict[str, Any] = option({}, "passed to sglang.Engine as they are")
 
     def __init__(self, args: RolloutArgs, options: "SGLangRolloutEngine.Options | None" = None) -> None:
@@ -238,9 +244,16 @@ class SGLangRolloutEngine(RolloutEngine):
             self._flush()
 
     def _flush(self) -> None:
-        answer = self._engine.flush_cache()
-        if not answer.success:
-            raise RolloutError(f"SGLang did not flush its cache: {answer.message}")
+        # SGLang flushes only a fully idle scheduler; right after a batch ends it may not have cleaned the
+        # batch up yet (it does so on its next loop, which an idle scheduler waiting on its sockets runs
+        # when the next message, this one, arrives): ask again, briefly
+        for attempt in range(FLUSH_ATTEMPTS):
+            answer = self._engine.flush_cache()
+            if answer.success:
+                return
+            time.sleep(0.005 * (attempt + 1))
+        raise RolloutError(f"SGLang did not flush its cache after {FLUSH_ATTEMPTS} attempts (it refuses while "
+                           f"requests are pending): {answer.message}")
 
     # --- memory -----------------------------------------------------------------------------
     def sleep(self, tags: Sequence[str] = ROLLOUT_TAGS) -> None:

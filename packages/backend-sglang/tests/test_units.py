@@ -1,0 +1,56 @@
+"""Parts of the backend that run without starting SGLang: its temporary folder (sockets go there, and AF_UNIX
+paths hold 107 bytes) and the flush retry."""
+
+import shutil
+import socket
+import tempfile
+from pathlib import Path
+
+from gearshift_sglang.host import MAX_SOCKET_DIR, temp_dir
+
+
+def test_a_short_cache_folder_keeps_its_temporary_folder_inside():
+    root = Path(tempfile.mkdtemp(prefix="gs-", dir="/tmp"))  # pytest's own folders can be longer than the limit
+    try:
+        assert temp_dir(root) == (root / "tmp").resolve()
+    finally:
+        shutil.rmtree(root)
+
+
+def test_a_long_cache_folder_gets_a_short_temporary_folder_where_a_socket_binds(tmp_path):
+    root = tmp_path / ("deep" * 30) / "cache"
+    tmp = temp_dir(root)
+    assert len(str(tmp)) <= MAX_SOCKET_DIR and tmp.is_dir() and temp_dir(root) == tmp
+    # what multiprocessing's resource sharer makes there: a listener socket two levels down
+    (tmp / "pymp-abcdefgh").mkdir(exist_ok=True)
+    path = tmp / "pymp-abcdefgh" / "listener-abcdefgh"
+    with socket.socket(socket.AF_UNIX) as s:
+        s.bind(str(path))
+    path.unlink()
+    (tmp / "pymp-abcdefgh").rmdir()
+
+
+def test_a_flush_refused_while_the_scheduler_winds_down_is_asked_again():
+    """SGLang refuses flush_cache until its scheduler has cleaned up the batch that just ended."""
+    from types import SimpleNamespace
+
+    import pytest
+
+    from gearshift.rollout import RolloutError
+    from gearshift_sglang.engine import FLUSH_ATTEMPTS, SGLangRolloutEngine
+
+    class Scheduler:
+        def __init__(self, busy_answers):
+            self.busy, self.calls = busy_answers, 0
+
+        def flush_cache(self):
+            self.calls += 1
+            return SimpleNamespace(success=self.calls > self.busy, message="")
+
+    engine = object.__new__(SGLangRolloutEngine)  # only _flush is exercised: no SGLang is started
+    engine._engine = Scheduler(busy_answers=2)
+    engine._flush()
+    assert engine._engine.calls == 3
+    engine._engine = Scheduler(busy_answers=FLUSH_ATTEMPTS)
+    with pytest.raises(RolloutError, match="did not flush"):
+        engine._flush()
