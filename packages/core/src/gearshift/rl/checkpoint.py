@@ -52,6 +52,13 @@ def latest(root: str | Path) -> Path | None:
     return max(done, key=lambda p: int(p.name.split("_")[1]), default=None)
 
 
+def to_resume(resume: str, root: str | Path) -> Path | None:
+    """The checkpoint `run.resume` names: none for 'never', the latest under `root` for 'auto', else that folder."""
+    if resume == "never":
+        return None
+    return Path(resume) if resume != "auto" else latest(root)
+
+
 def save(root: str | Path, step: int, engines: Mapping[str, TrainEngine], state: Mapping[str, Any],
          keep: int = 2) -> Path:
     """Write checkpoint `step` (every rank calls this) and keep the newest `keep` complete ones."""

@@ -93,10 +93,7 @@ class Controller:
         return self.learner.engines()
 
     def _maybe_resume(self) -> None:
-        resume = self.config.run.resume
-        if resume == "never":
-            return
-        path = Path(resume) if resume != "auto" else checkpoint.latest(self.out / "checkpoints")
+        path = checkpoint.to_resume(self.config.run.resume, self.out / "checkpoints")
         if path is None:
             return
         state = checkpoint.load(path, self._engines())

@@ -157,10 +157,7 @@ class SplitController:
 
     # --- checkpoints ----------------------------------------------------------------------
     def _maybe_resume(self) -> None:
-        resume = self.config.run.resume
-        if resume == "never":
-            return
-        path = Path(resume) if resume != "auto" else checkpoint.latest(self.out / "checkpoints")
+        path = checkpoint.to_resume(self.config.run.resume, self.out / "checkpoints")
         if path is None:
             return
         state = self._all(self.train_pool.call("load", str(path)))[0]
