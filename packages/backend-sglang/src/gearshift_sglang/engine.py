@@ -37,7 +37,7 @@ from gearshift.options import option
 from gearshift.rollout import ROLLOUT_TAGS, Rollout, RolloutArgs, RolloutEngine, RolloutError, SamplingParams
 from gearshift.weights import WeightBucket, WeightError, WeightSpec
 
-from .host import cache_environment, contained, default_cache_dir, temp_dir
+from .host import cache_environment, contained, default_cache_dir
 from .imports import cpu_environment, importing_sglang
 from .weights import FlatBuckets
 
@@ -128,8 +128,8 @@ class SGLangRolloutEngine(RolloutEngine):
             kwargs["max_total_tokens"] = max(1, int(kv_bytes) // _kv_bytes_per_token(config, self.dtype))
         kwargs.update(opts.engine_kwargs)
 
-        self._tmp = temp_dir(self.cache_dir)
         self._env = {**cache_environment(self.cache_dir), **({} if self.on_gpu else cpu_environment())}
+        self._tmp = Path(self._env["TMPDIR"])  # host.temp_dir: sockets and temporary files
         with contained(self._env, self._tmp) as host:
             Engine = import_sglang()
             from . import children  # prepares the imports on import: only once SGLang is wanted
