@@ -9,9 +9,9 @@
 #
 # conformance: the suite, deepspeed (ZeRO-3, bf16 compute, fp32 master weights) + hf in bf16, 0.5B shape.
 # bench: `gearshift bench switch --train deepspeed --rollout hf` at the 0.5B shape (ZeRO-3 and ZeRO-2),
-#   printing the copy-limit and naive columns beside the sync. bench-large: the same at the largest preset
-#   that fits one H200 (bench on qwen2-0.5b first: presets larger than it are not in gearshift.models yet;
-#   MODEL= picks a local folder). tests: the package's gpu-marked tests (FusedAdam builds with nvcc there;
+#   printing the copy-limit and naive columns beside the sync. bench-large: ZeRO-3 at a larger shape
+#   (MODEL=qwen2-1.5b | qwen2-7b or a local folder; NAIVE= the naive switches, 1 at 7B: each writes the model).
+#   tests: the package's gpu-marked tests (FusedAdam builds with nvcc there;
 #   the image's TORCH_CUDA_ARCH_LIST=9.0a is not parsed by DeepSpeed's builder, so it is set to 9.0).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -56,7 +56,7 @@ case "$what" in
     done ;;
   bench-large)
     python3 -m gearshift bench switch --train deepspeed --rollout hf --model "$model" \
-      --train-options '{"zero_stage": 3}' --rollout-options "$bf16" --switches 5 \
+      --train-options '{"zero_stage": 3}' --rollout-options "$bf16" --switches 5 --naive-switches "${NAIVE:-3}" \
       --out "$out/large" 2>&1 | tee "$out/deepspeed-bench-large.log" | tail -25 ;;
   tests)
     python3 -m pytest packages/backend-deepspeed/tests -m gpu --runslow -rA -p no:cacheprovider 2>&1 \

@@ -96,7 +96,18 @@ class RolloutEngineSuite:
     def test_top_k_one_samples_the_greedy_tokens(self, rollout_engine, baseline):
         out = rollout_engine.generate(PROMPTS, SamplingParams(n=2, temperature=1.0, top_k=1, max_tokens=8, seed=4))
         for r in out:
-            assert r.token_ids == baseline[r.prompt_index].token_ids, "top_k=1 must leave only the most likely token"
+            greedy = baseline[r.prompt_index]
+            for j, (token, best) in enumerate(zip(r.token_ids, greedy.token_ids)):
+                if token != best:
+                    # another pass shape (n=2) may order two tokens whose logprobs tie within the engine's
+                    # precision (bf16 logits of a random model) differently; anything further apart is an error
+                    gap = abs(r.logprobs[j] - greedy.logprobs[j])
+                    assert gap <= self.logprob_atol, (
+                        f"top_k=1 must leave only the most likely token: prompt {r.prompt_index}, token {j} is "
+                        f"{token} (logprob {r.logprobs[j]:.4f}), the greedy one {best} ({greedy.logprobs[j]:.4f})")
+                    break
+            else:
+                assert len(r.token_ids) == len(greedy.token_ids), "top_k=1 must leave only the most likely token"
 
     def test_a_stop_string_ends_generation(self, rollout_engine, baseline, gearshift_model):
         from transformers import AutoTokenizer
