@@ -65,3 +65,34 @@ def test_gather_whole_with_uneven_and_empty_shards():
     sharded = [distribute_tensor(t, mesh, [Shard(0)]) for t in whole[:4]] + [whole[4]]  # and one not sharded
     for got, want in zip(gather_whole(sharded), whole):
         assert torch.equal(got, want)
+
+
+def test_checkpoint_holds_the_adapters_only_and_resumes(gearshift_model, gearshift_shared_tmp):
+    from torch.distributed.checkpoint import FileSystemReader
+
+    from gearshift.conformance.train import assert_same
+
+    path = str(gearshift_shared_tmp / "lora-ckpt")
+    engine = FSDPTrainEngine.build(gearshift_model, lr=1e-2, **LORA)
+    batch = fixed_batch()
+    for _ in range(2):
+        engine.train_step(batch, nll)
+    engine.save(path)
+    saved = full_weights(engine)
+    next_loss = engine.train_step(batch, nll)["loss"]
+
+    keys = set(FileSystemReader(path).read_metadata().state_dict_metadata)
+    frozen = {n for n, p in engine.model.named_parameters() if not p.requires_grad}
+    trained = {n for n, p in engine.model.named_parameters() if p.requires_grad}
+    assert frozen and not {f"model.{n}" for n in frozen} & keys, "the frozen base is the model, not the state"
+    assert {f"model.{n}" for n in trained} <= keys
+    assert any(k.startswith("optimizer.") for k in keys)
+
+    fresh = FSDPTrainEngine.build(gearshift_model, lr=1e-2, **LORA)  # the base again, adapters from the folder
+    fresh.load(path)
+    assert_same(full_weights(fresh), saved)
+    assert fresh.train_step(batch, nll)["loss"] == pytest.approx(next_loss, rel=1e-5)
+
+    plain = FSDPTrainEngine.build(gearshift_model, lr=1e-2, param_dtype="float32")
+    with pytest.raises(RuntimeError, match="does not hold this engine's model"):
+        plain.load(path)

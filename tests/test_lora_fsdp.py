@@ -44,6 +44,7 @@ def test_lora_on_fsdp_with_two_ranks(tmp_path):
         for name in ("test_sharded_adapters_export_the_merged_weights",
                      "test_gather_whole_with_uneven_and_empty_shards",
                      "test_adapter_written_by_two_ranks_loads_with_peft",
+                     "test_checkpoint_holds_the_adapters_only_and_resumes",
                      "TestFSDPWithHFRollout::test_after_sync_rollout_logprobs_agree_with_training",
                      "TestFSDPWithHFRollout::test_a_train_step_reaches_the_rollout_engine",
                      "TestFSDPTrain::test_save_load_round_trip"):

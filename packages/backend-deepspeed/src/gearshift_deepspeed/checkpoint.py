@@ -24,8 +24,11 @@ META = "gearshift-deepspeed.json"
 UNIVERSAL = "universal"
 
 
-def save_checkpoint(engine, path: str) -> None:
-    """Every rank writes its partitions of model and optimizer under `path`; rank 0 the layout beside them."""
+def save_checkpoint(engine, path: str, trainable_only: bool = False) -> None:
+    """Every rank writes its partitions of model and optimizer under `path`; rank 0 the layout beside them.
+
+    `trainable_only` (LoRA: the frozen base is the model the engine was built from) leaves the frozen
+    parameters out."""
     from deepspeed.checkpoint.constants import (
         UNIVERSAL_CHECKPOINT_INFO,
         UNIVERSAL_CHECKPOINT_VERSION_KEY,
@@ -33,10 +36,11 @@ def save_checkpoint(engine, path: str) -> None:
     )
 
     marker = {UNIVERSAL_CHECKPOINT_INFO: {UNIVERSAL_CHECKPOINT_VERSION_KEY: UNIVERSAL_CHECKPOINT_VERSION_VALUE}}
-    engine.save_checkpoint(path, tag=TAG, client_state=marker)
+    engine.save_checkpoint(path, tag=TAG, client_state=marker, exclude_frozen_parameters=trainable_only)
     if gdist.rank() == 0:
         with open(os.path.join(path, META), "w") as f:
-            json.dump({"dp": gdist.world_size(), "zero_stage": engine.zero_optimization_stage()}, f)
+            json.dump({"dp": gdist.world_size(), "zero_stage": engine.zero_optimization_stage(),
+                       "trainable_only": trainable_only}, f)
     gdist.barrier()
 
 
@@ -47,8 +51,10 @@ def load_checkpoint(engine, path: str) -> None:
         raise FileNotFoundError(f"{path} is not a checkpoint of the deepspeed train backend (no {META})")
     with open(meta_path) as f:
         meta = json.load(f)
+    # a checkpoint without the frozen parameters leaves them as the engine was built
+    strict = not meta.get("trainable_only", False)
     if meta["dp"] == gdist.world_size():
-        loaded, _ = engine.load_checkpoint(path, tag=TAG)
+        loaded, _ = engine.load_checkpoint(path, tag=TAG, load_module_strict=strict)
     else:
         folder = os.path.join(path, UNIVERSAL)
         error = None
@@ -62,7 +68,7 @@ def load_checkpoint(engine, path: str) -> None:
             raise RuntimeError(error)
         engine._config.load_universal_checkpoint = True  # a load-time switch: only load paths read it
         try:
-            loaded, _ = engine.load_checkpoint(folder, tag=TAG)
+            loaded, _ = engine.load_checkpoint(folder, tag=TAG, load_module_strict=strict)
         finally:
             engine._config.load_universal_checkpoint = False
     if loaded is None:

@@ -138,7 +138,7 @@ class DeepSpeedTrainEngine(ModuleTrainEngine):
     def save(self, path: str) -> None:
         """DeepSpeed's own checkpoint: every rank writes its partitions; loads at any dp size (see `load`)."""
         self._need_onloaded(TRAIN_TAGS, "save a checkpoint")
-        save_checkpoint(self.ds, path)
+        save_checkpoint(self.ds, path, trainable_only=self.lora is not None)
 
     def load(self, path: str) -> None:
         """Restore a `save` folder; one written at another dp size goes through a universal checkpoint."""

@@ -8,6 +8,7 @@ and offload, checkpoints and clipping know the state is sharded.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -19,7 +20,8 @@ from gearshift.module_train import ModuleTrainEngine
 from gearshift.options import option, parse_dtype
 from gearshift.tags import TRAIN_TAGS, check_tags
 from gearshift.train import PolicyOutput, TrainArgs, TrainBatch
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 from torch.distributed.tensor import DTensor
 
 from .parallelize import build_dp_mesh, parallelize_causal_lm, reshard
@@ -99,22 +101,36 @@ class FSDPTrainEngine(ModuleTrainEngine):
             reshard(self.model)
         return super().offload(tags)
 
+    def _state_options(self) -> StateDictOptions:
+        # with LoRA the frozen base is the model the engine was built from: the adapters are the state
+        return StateDictOptions(ignore_frozen_params=self.lora is not None, strict=self.lora is None)
+
     def save(self, path: str) -> None:
-        """A torch.distributed.checkpoint folder: every rank writes its shards of model and optimizer."""
+        """A torch.distributed.checkpoint folder: every rank writes its shards of model and optimizer (with
+        LoRA, of the adapters and their optimizer state only)."""
         self._need_onloaded(TRAIN_TAGS, "save a checkpoint")
         reshard(self.model)
-        model_state, optim_state = get_state_dict(self.model, self.optimizer)
+        model_state, optim_state = get_state_dict(self.model, self.optimizer, options=self._state_options())
         dcp.save({"model": model_state, "optimizer": optim_state}, checkpoint_id=path)
 
     def load(self, path: str) -> None:
         """Read a `save` folder into this engine's shards (any dp size that wrote it)."""
         self._need_onloaded(TRAIN_TAGS, "load a checkpoint")
         reshard(self.model)
-        model_state, optim_state = get_state_dict(self.model, self.optimizer)
+        options = self._state_options()
+        model_state, optim_state = get_state_dict(self.model, self.optimizer, options=options)
         state = {"model": model_state, "optimizer": optim_state}
-        dcp.load(state, checkpoint_id=path)
+        try:
+            dcp.load(state, checkpoint_id=path)
+        except CheckpointException as e:  # every rank's stack; the key it misses is the news
+            missing = re.search(r"Missing key in checkpoint state_dict: (\S+?)\.?$", str(e), re.M)
+            if missing is None:
+                raise
+            what = "LoRA adapters (same lora_r and lora_target_modules?)" if self.lora else "model"
+            raise RuntimeError(f"{path} does not hold this engine's {what}: it has no {missing.group(1)} "
+                               f"(a checkpoint of a LoRA run holds only the adapters)") from None
         set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
-                       optim_state_dict=state["optimizer"])
+                       optim_state_dict=state["optimizer"], options=options)
 
 
 def default_param_dtype(device: torch.device) -> torch.dtype | None:
