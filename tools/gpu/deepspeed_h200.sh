@@ -63,7 +63,7 @@ case "$what" in
       | tee "$out/deepspeed-gpu-tests.log" | tail -30 ;;
   grpo)  # a random model earns no reward: the entropy bonus gives the update a gradient all the same
     python3 -m gearshift train model.path=qwen2-0.5b train.backend=deepspeed rollout.backend=hf \
-      rollout.options="$bf16" run.steps=4 run.prompts_per_step=16 rollout.n=8 run.checkpoint_every=2 \
+      rollout.dtype=bfloat16 run.steps=4 run.prompts_per_step=16 rollout.n=8 run.checkpoint_every=2 \
       algorithm.entropy_coef=0.01 run.output_dir="$out/grpo-deepspeed" run.progress=false 2>&1 \
       | tee "$out/deepspeed-grpo.log" | grep -v "Loading\|Writing" | tail -12 ;;
   all)

@@ -28,7 +28,7 @@ case "$what" in
       --out "$out/share" 2>&1 | tee "$out/share-bench.log" | tail -22 ;;
   grpo)  # a random model earns no reward: the entropy bonus gives the update a gradient all the same
     python3 -m gearshift train model.path=qwen2-0.5b train.backend=fsdp rollout.backend="${ROLLOUT:-hf}" \
-      rollout.options="$bf16" run.steps=4 run.prompts_per_step=16 rollout.n=8 run.checkpoint_every=2 \
+      rollout.dtype=bfloat16 run.steps=4 run.prompts_per_step=16 rollout.n=8 run.checkpoint_every=2 \
       algorithm.entropy_coef=0.01 run.output_dir="$out/grpo-${ROLLOUT:-hf}" run.progress=false 2>&1 \
       | tee "$out/grpo-${ROLLOUT:-hf}.log" ;;
   vllm)  # after ../shared/tools/vllm-on-h200 put vLLM 0.24 in /tmp/site
@@ -44,7 +44,7 @@ case "$what" in
     torchrun --nproc_per_node 2 -m gearshift conformance --train fsdp --rollout hf --model qwen2-0.5b \
       --rollout-options "$bf16" --atol 0.5 -- -rA 2>&1 | tee "$out/two-gpus-conformance.log" | grep -v "^\[rank1\]" | tail -40
     torchrun --nproc_per_node 2 -m gearshift train model.path=qwen2-0.5b train.backend=fsdp rollout.backend=hf \
-      rollout.options="$bf16" run.steps=4 run.prompts_per_step=16 rollout.n=8 run.checkpoint_every=2 \
+      rollout.dtype=bfloat16 run.steps=4 run.prompts_per_step=16 rollout.n=8 run.checkpoint_every=2 \
       algorithm.entropy_coef=0.01 run.output_dir="$out/grpo2" run.progress=false 2>&1 \
       | tee "$out/two-gpus-grpo.log" | grep -v "Loading\|Writing" | tail -12 ;;
   fsdp-tests)

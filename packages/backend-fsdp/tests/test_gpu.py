@@ -30,7 +30,7 @@ def test_offload_frees_device_memory_and_onload_restores_it_bit_exactly(gearshif
     assert moved > 0
     assert torch.cuda.memory_allocated() <= held - moved  # every offloaded byte left the device
     held_host = [stash for stash in engine._stashes.values() if len(stash)]
-    assert held_host and all(stash._pinned for stash in held_host)
+    assert held_host and all(stash.pinned for stash in held_host)
     assert sum(s.host_bytes for s in held_host) <= 1.05 * moved  # pinned exactly what was moved
     with pytest.raises(RuntimeError, match="onload"):
         engine.forward_logprobs(fixed_batch())

@@ -51,6 +51,11 @@ class HostStash:
         return sum(n for _, _, n in self._saved)
 
     @property
+    def pinned(self) -> bool:
+        """Whether the host buffer is page-locked (registered with CUDA), so copies to and from it run at full speed."""
+        return self._pinned
+
+    @property
     def host_bytes(self) -> int:
         """Bytes of host memory the stash keeps (held or not)."""
         return 0 if self._buffer is None else self._buffer.numel()
