@@ -2,7 +2,7 @@
 """RL runs side by side: one preset, several variants of the same job, their curves in one PNG.
 
     python tools/rl_compare.py rollout-correction   # bf16 hf rollout, fp32 training: none, tis, mis
-    python tools/rl_compare.py ppo                  # PPO with its defaults beside GRPO, on the default job
+    python tools/rl_compare.py ppo                  # PPO with its defaults beside GRPO, default job, 3 seeds
     python tools/rl_compare.py strict-reward        # the default job graded by numeric_match and strictly
     python tools/rl_compare.py ppo --steps 60 --jobs 1 -- rollout.backend=hf train.backend=torch
 
@@ -43,9 +43,10 @@ PRESETS: dict[str, dict] = {
                   "rollout_correction/truncated_frac", "rollout_correction/masked_frac"],
     },
     "ppo": {
-        "title": "PPO with its defaults beside GRPO",
+        "title": "PPO with its defaults beside GRPO, three seeds each",
         "base": [],
-        "variants": {"grpo": ["algorithm.name=grpo"], "ppo": ["algorithm.name=ppo"]},
+        "variants": {f"{algo}_seed{seed}": [f"algorithm.name={algo}", f"run.seed={seed}"]
+                     for algo in ("grpo", "ppo") for seed in (0, 1, 2)},
         "plots": [("reward/mean", "mean reward"), ("train/entropy", "policy entropy (nats/token)"),
                   ("train/critic/vf_loss", "critic loss")],
         "table": ["train/entropy", "train/critic/vf_loss"],

@@ -117,3 +117,20 @@ def test_python_sections_merge_like_overrides():
     assert cfg.run.steps == 7 and cfg.rollout.backend == "hf" and cfg.train.backend == "fsdp"
     with pytest.raises(ConfigError, match="unknown key 'stepz' in run"):
         build_config(None, {"run": {"stepz": 7}})
+
+
+def test_mini_batches_default_to_the_algorithms_own():
+    assert load_config(None, []).mini_batches() == 1  # grpo: the whole batch in one optimizer step
+    assert load_config(None, ["algorithm.name=ppo"]).mini_batches() == 2
+    assert load_config(None, ["algorithm.name=ppo", "train.mini_batch_size=256"]).mini_batches() == 1
+    assert load_config(None, ["train.mini_batch_size=64"]).mini_batches() == 4  # 32 prompts x 8 samples
+
+
+def test_engine_options_may_not_restate_common_arguments():
+    with pytest.raises(ConfigError) as e:
+        load_config(None, ['rollout.options={"dtype": "bfloat16", "max_batch_size": 8}',
+                           'train.options={"lr": 0.1, "zero_stage": 3}']).validate()
+    text = str(e.value)
+    assert "rollout.options.dtype: dtype is an argument of every rollout engine, set by rollout.dtype" in text
+    assert "train.options.lr: lr is an argument of every train engine, set by train.lr" in text
+    assert "max_batch_size" not in text and "zero_stage" not in text

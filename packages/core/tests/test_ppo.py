@@ -36,3 +36,27 @@ def test_critic_warmup_trains_the_critic_alone_first(gearshift_model, tmp_path):
     assert "train/critic/vf_loss" in history[0] and "train/pg_loss" not in history[0]
     assert "train/critic/vf_loss" in history[1] and "train/pg_loss" in history[1]
 
+
+
+def test_critic_epochs_pass_the_critic_over_each_batch_more_often(gearshift_model, tmp_path, monkeypatch):
+    from gearshift import Trainer
+
+    updates = {"policy": 0, "critic": 0}
+    train_step = TorchTrainEngine.train_step
+
+    def counted(self, batch, loss_fn):
+        updates["critic" if self.args.value_head else "policy"] += 1
+        return train_step(self, batch, loss_fn)
+
+    monkeypatch.setattr(TorchTrainEngine, "train_step", counted)
+    trainer = Trainer(model=gearshift_model, reward=lambda completion: len(completion) / 3,
+                      algorithm={"name": "ppo", "critic_epochs": 3},
+                      rollout={"n": 2, "max_tokens": 3, "backend": "hf"},
+                      train={"backend": "torch", "mini_batch_size": 4},
+                      run={"steps": 2, "prompts_per_step": 4, "output_dir": str(tmp_path), "checkpoint_every": 0,
+                           "progress": False, "samples_per_step": 0, "tensorboard": False, "plot": False,
+                           "resume": "never"})
+    history = trainer.train()
+    # 8 samples a step in mini-batches of 4: the policy updates twice a step, the critic three times as often
+    assert updates == {"policy": 4, "critic": 12}
+    assert all(-10 < h["critic/explained_var"] <= 1 for h in history)

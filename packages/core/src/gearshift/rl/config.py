@@ -75,7 +75,9 @@ class TrainConfig:
     lr: float = 3e-4
     weight_decay: float = 0.0
     max_grad_norm: float = 1.0
-    mini_batch_size: int = 0  # sequences per optimizer step; 0: the whole batch in one step
+    # sequences per optimizer step, over the whole batch; 0: the algorithm's own: grpo takes the whole batch
+    # in one step, ppo takes it in two (its critic-based advantages gain from a second, slightly off-policy step)
+    mini_batch_size: int = 0
     micro_batch_size: int = 0  # sequences per forward/backward; 0: the whole mini-batch
     max_tokens_per_micro_batch: int = 0  # pack sequences by length into micro-batches of this many tokens; 0: off
     mesh: str = ""
@@ -100,6 +102,16 @@ GAE_NORMS = {"center_scale": {"whiten_advantages": True, "center": True},
              "none": {"whiten_advantages": False}}
 
 
+#: (engine kind, common argument) -> the key of the run's config that sets it ("": either kind)
+COMMON_KEYS = {("", "model"): "model.path", ("", "seed"): "run.seed", ("rollout", "dtype"): "rollout.dtype",
+               ("train", "dtype"): "model.dtype", ("rollout", "mesh"): "rollout.mesh", ("train", "mesh"): "train.mesh",
+               ("", "max_model_len"): "rollout.max_model_len", ("", "lr"): "train.lr",
+               ("", "weight_decay"): "train.weight_decay", ("", "max_grad_norm"): "train.max_grad_norm",
+               ("", "micro_batch_size"): "train.micro_batch_size",
+               ("", "max_tokens_per_micro_batch"): "train.max_tokens_per_micro_batch",
+               ("", "dropout"): "model.dropout", ("", "value_head"): "algorithm.name=ppo (its critic)"}
+
+
 @dataclass
 class AlgorithmConfig:
     name: str = "grpo"  # grpo | ppo
@@ -120,7 +132,10 @@ class AlgorithmConfig:
     lam: float = 1.0
     critic_lr: float = 1e-3
     critic_warmup: int = 0  # ppo: steps that train the critic alone before the policy learns
-    gae_norm: str = "center_scale"  # ppo: advantages over the batch: center_scale (whiten) | scale | none
+    critic_epochs: int = 0  # ppo: passes of the critic over each batch; 0: algorithm.epochs
+    # ppo: advantages over the batch: scale (divide by their std: the critic is the baseline already) |
+    # center_scale (whiten: also subtract their mean) | none
+    gae_norm: str = "scale"
     value_clip: float = 0.2
     rollout_correction: str = "none"  # none | tis | mis: correct for rollout/trainer probability gaps
     rollout_correction_level: str = "token"  # token | sequence (product of ratios) | geometric (their mean)
@@ -258,6 +273,8 @@ class Config:
             problems.append(f"algorithm.gae_norm={a.gae_norm!r}: use one of {', '.join(GAE_NORMS)}")
         if a.critic_warmup < 0:
             problems.append(f"algorithm.critic_warmup={a.critic_warmup} must be >= 0")
+        if a.critic_epochs < 0:
+            problems.append(f"algorithm.critic_epochs={a.critic_epochs} must be >= 0 (0: algorithm.epochs)")
         if t.max_tokens_per_micro_batch < 0:
             problems.append(f"train.max_tokens_per_micro_batch={t.max_tokens_per_micro_batch} must be >= 0")
         if a.kl_in not in ("loss", "reward"):
@@ -291,12 +308,35 @@ class Config:
         if run.steps < 1:
             problems.append(f"run.steps={run.steps} must be >= 1")
         problems += self._lora_and_reward_model_problems()
+        problems += self._options_problems()
         problems += self._placement_problems()
         if run.resume not in ("auto", "never") and not os.path.isdir(run.resume):
             problems.append(f"run.resume={run.resume!r}: use 'auto', 'never' or an existing checkpoint folder")
         if problems:
             raise ConfigError("the configuration cannot run:\n  - " + "\n  - ".join(problems))
         return self
+
+    def _options_problems(self) -> list[str]:
+        """An engine's own options may not restate what every engine of its kind is built from."""
+        from ..rollout import RolloutArgs
+        from ..train import TrainArgs
+
+        problems = []
+        for kind, args, own in (("rollout", RolloutArgs, self.rollout.options),
+                                ("train", TrainArgs, self.train.options)):
+            common = {f.name for f in dataclasses.fields(args)}
+            for key in sorted(common & set(own)):
+                where = COMMON_KEYS.get((kind, key), COMMON_KEYS.get(("", key), ""))
+                problems.append(f"{kind}.options.{key}: {key} is an argument of every {kind} engine, "
+                                f"set by {where or 'the run'}; remove it from {kind}.options")
+        return problems
+
+    def mini_batches(self) -> int:
+        """Optimizer steps each epoch takes over a step's batch: `train.mini_batch_size` or the algorithm's own."""
+        batch = self.run.prompts_per_step * self.rollout.n
+        if self.train.mini_batch_size:
+            return max(1, batch // self.train.mini_batch_size)
+        return 2 if self.algorithm.name == "ppo" and batch >= 2 else 1
 
     def offload_tags(self) -> str | list[str]:
         """`switch.offload` as `HybridActor` takes it: "auto", or the tags to move."""

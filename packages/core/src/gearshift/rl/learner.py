@@ -110,15 +110,28 @@ class Learner:
         # the critic's warm-up: its first steps train the critic alone, so that the first policy updates
         # get advantages from values fitted to this policy's returns rather than from an untrained head
         policy_learns = self.critic is None or step >= a.critic_warmup
+        if values is not None:
+            # how much of the returns' variance the critic's values explain (1: all; 0: no better than a constant)
+            m = mask.bool()
+            var = returns[m].var() if m.sum() > 1 else returns.new_zeros(())
+            out["critic/explained_var"] = float(1 - (returns - values)[m].var() / var) if var > 0 else 0.0
+            out["critic/values_mean"] = float(values[m].mean()) if m.any() else 0.0
+        critic_epochs = a.critic_epochs or a.epochs
+        # as many optimizer steps on every rank (their gradients are averaged): the same count of mini-batches
+        # of this rank's share, in order, so a prompt's samples stay together
+        mini_size = -(-batch.size // max(1, min(cfg.mini_batches(), batch.size)))
         with timed("train"):
-            for _ in range(a.epochs):
-                for mini in batch.micro_batches(cfg.train.mini_batch_size or None):
+            for epoch in range(max(a.epochs, critic_epochs)):
+                for mini in batch.micro_batches(mini_size):
                     # exact token means across micro-batches need each mini-batch's token counts
                     mini.extras[TOKENS_PER_SEQ] = tokens_per_seq(mini.loss_mask)
-                    train_metrics.append(self.policy.train_step(mini, self.policy_loss) if policy_learns else {})
-                    if self.critic is not None:
+                    metrics: dict[str, float] = {}
+                    if policy_learns and epoch < a.epochs:
+                        metrics.update(self.policy.train_step(mini, self.policy_loss))
+                    if self.critic is not None and epoch < critic_epochs:
                         critic_m = self.critic.train_step(mini, self.value_loss)
-                        train_metrics[-1].update({f"critic/{k}": v for k, v in critic_m.items()})
+                        metrics.update({f"critic/{k}": v for k, v in critic_m.items()})
+                    train_metrics.append(metrics)
         keys = {k for m in train_metrics for k in m}
         out.update({f"train/{k}": _mean([m[k] for m in train_metrics if k in m]) for k in sorted(keys)})
         return out
