@@ -150,11 +150,13 @@ def plot(preset: dict, runs: Path, png: Path) -> None:
 
     panels = preset["plots"]
     fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.4))
+    colors = {name: f"C{i}" for i, name in enumerate(preset["variants"])}  # one per variant in every panel
     for ax, (key, label) in zip(axes, panels):
         for name in preset["variants"]:
             rows = [r for r in read(runs / name / "metrics.jsonl") if key in r]
             if rows:
-                ax.plot([r["step"] for r in rows], [r[key] for r in rows], label=name, linewidth=1.2)
+                ax.plot([r["step"] for r in rows], [r[key] for r in rows], label=name, linewidth=1.2,
+                        color=colors[name])
         ax.set_title(label, fontsize=9)
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
