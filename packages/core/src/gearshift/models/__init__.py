@@ -9,9 +9,12 @@ format-warmed models of the built-in tasks.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import os
 from pathlib import Path
+from typing import Iterator
 
 from .reward import build_reward_model
 from .tiny import ARCHS, BF16_PRESETS, PRESETS, build_model, build_tokenizer
@@ -27,12 +30,32 @@ def resolve_model(model: str, cache_dir: str | os.PathLike | None = None) -> str
     one output): '<preset>-rm' (random weights) and '<preset>-<task>-rm', taught to predict the
     task's reward (see `gearshift.models.reward`).
     """
-    from ..rl.tasks import TASKS
-
     if os.path.isdir(model):
         return model
+    if not known_model(model):
+        raise ValueError(unknown_model(model))
     root = Path(cache_dir or os.environ.get("GEARSHIFT_CACHE", Path.home() / ".cache" / "gearshift")) / "models"
     folder = root / f"{model}-{hashlib.sha1(model.encode()).hexdigest()[:8]}"
+    with _only_builder(folder):
+        return _resolve_preset(model, folder)
+
+
+@contextlib.contextmanager
+def _only_builder(folder: Path) -> Iterator[None]:
+    """One process at a time builds (or checks) a preset's folder: jobs started together on a fresh cache
+    (ranks under torchrun, runs side by side) would otherwise read files another is still writing."""
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    with open(folder.parent / f"{folder.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def _resolve_preset(model: str, folder: Path) -> str:
+    from ..rl.tasks import TASKS
+
     if model in PRESETS:
         return build_model(folder, preset=model, dtype="bfloat16" if model in BF16_PRESETS else "float32")
     preset, _, suffix = model.rpartition("-")
