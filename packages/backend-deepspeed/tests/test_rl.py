@@ -56,4 +56,4 @@ def test_grpo_on_two_ranks(gearshift_model, tmp_path):
     assert all(r["reward/max"] >= r["reward/mean"] >= r["reward/min"] for r in rows)
     assert (out / "checkpoints" / "step_000002" / "COMPLETE").exists()
     meta = json.loads((out / "checkpoints" / "step_000002" / "policy" / "gearshift-deepspeed.json").read_text())
-    assert meta == {"dp": 2, "zero_stage": 3}
+    assert meta == {"dp": 2, "zero_stage": 3, "trainable_only": False}
