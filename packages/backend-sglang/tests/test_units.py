@@ -1,6 +1,7 @@
 """Parts of the backend that run without starting SGLang: its temporary folder (sockets go there, and AF_UNIX
-paths hold 107 bytes) and the flush retry."""
+paths hold 107 bytes), the flush retry, and who hears a SIGQUIT."""
 
+import os
 import shutil
 import socket
 import tempfile
@@ -54,3 +55,32 @@ def test_a_flush_refused_while_the_scheduler_winds_down_is_asked_again():
     engine._engine = Scheduler(busy_answers=FLUSH_ATTEMPTS)
     with pytest.raises(RolloutError, match="did not flush"):
         engine._flush()
+
+
+def test_sigquit_reaches_sglang_only_while_an_engine_runs(monkeypatch):
+    import signal
+    import time
+
+    from gearshift_sglang import host
+
+    calls = []
+    previous = signal.getsignal(signal.SIGQUIT)
+    signal.signal(signal.SIGQUIT, lambda signum, frame: calls.append(signum))  # stands for SGLang's handler
+    monkeypatch.setattr(host, "_sglang_on_quit", None)
+    monkeypatch.setattr(host, "_running", None)
+    try:
+        running = [True]
+        host.guard_sigquit(lambda: running[0])
+        os.kill(os.getpid(), signal.SIGQUIT)
+        time.sleep(0.05)  # Python runs the handler between bytecodes
+        assert calls == [signal.SIGQUIT], "while an engine runs, a failing child must still end the host"
+        running[0] = False
+        os.kill(os.getpid(), signal.SIGQUIT)
+        time.sleep(0.05)
+        assert calls == [signal.SIGQUIT], "after close, a child's SIGQUIT must not reach SGLang's handler"
+        host.guard_sigquit(lambda: True)  # a second engine: SGLang's own handler stays the one called
+        os.kill(os.getpid(), signal.SIGQUIT)
+        time.sleep(0.05)
+        assert calls == [signal.SIGQUIT] * 2
+    finally:
+        signal.signal(signal.SIGQUIT, previous)

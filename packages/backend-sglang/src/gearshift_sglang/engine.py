@@ -24,6 +24,7 @@ import asyncio
 import json
 import random
 import time
+import weakref
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,7 +38,7 @@ from gearshift.options import option
 from gearshift.rollout import ROLLOUT_TAGS, Rollout, RolloutArgs, RolloutEngine, RolloutError, SamplingParams
 from gearshift.weights import WeightBucket, WeightError, WeightSpec
 
-from .host import cache_environment, contained, default_cache_dir
+from .host import cache_environment, contained, default_cache_dir, guard_sigquit
 from .imports import cpu_environment, importing_sglang
 from .weights import FlatBuckets
 
@@ -141,6 +142,8 @@ class SGLangRolloutEngine(RolloutEngine):
             self._loop_policy = asyncio.get_event_loop_policy()  # SGLang's (uvloop), set when it was imported
             self._engine = GearshiftEngine(**kwargs)
             self._engine.collective_rpc("gearshift_freeze_gc")  # see children.py: cache flushes walk less
+        _LIVE.add(self)
+        guard_sigquit(lambda: any(e._engine is not None for e in list(_LIVE)))
         #: variables SGLang set in the host, put back after start (and after each call)
         self.host_changes = host.changed_env
         # SGLang keeps a few tokens of the context in reserve: a prompt must be shorter than this
@@ -298,6 +301,10 @@ class SGLangRolloutEngine(RolloutEngine):
         with contained(self._env, self._tmp, self._loop_policy):
             engine.shutdown()
         self._flat.release()
+
+
+#: the engines of this process, running or closed (see host.guard_sigquit)
+_LIVE: "weakref.WeakSet[SGLangRolloutEngine]" = weakref.WeakSet()
 
 
 def _kv_bytes_per_token(config, dtype: torch.dtype) -> int:

@@ -12,10 +12,12 @@ temporary files go to the temporary directory.
 `contained()` records all of this before a block that calls into SGLang and
 puts it back after; SGLang's own variables (`SGLANG_*`) stay, since SGLang
 reads them later. Around each later call the engine sets SGLang's event loop
-policy again (its coroutines run on its loop). SIGQUIT is left to SGLang: its
-scheduler process sends it when it fails, and SGLang's handler then ends the
-process tree, host included (a host left running would wait forever on a dead
-scheduler).
+policy again (its coroutines run on its loop). SIGQUIT stays SGLang's while an
+engine runs: its scheduler process sends it when it fails, and SGLang's handler
+then ends the process tree, host included (a host left running would wait
+forever on a dead scheduler). Once no engine is running (`guard_sigquit`), a
+SIGQUIT from a child that is being shut down is ignored instead: it would end
+the trainer, or a test session, after the engine had been closed on purpose.
 """
 
 from __future__ import annotations
@@ -38,6 +40,34 @@ import torch
 
 OWN_PREFIX = "SGLANG_"
 SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGCHLD)
+
+logger = logging.getLogger(__name__)
+#: SGLang's SIGQUIT handler, called only while `_running()` says an engine runs
+_sglang_on_quit = None
+_running = None
+
+
+def guard_sigquit(running) -> None:
+    """After an engine started: SIGQUIT goes to SGLang's handler only while `running()` is true.
+
+    Called from the main thread (where Python handles signals); elsewhere it leaves the handler be."""
+    global _sglang_on_quit, _running
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        return
+    current = signal.getsignal(signal.SIGQUIT)
+    if current is not _on_quit:
+        _sglang_on_quit = current
+        signal.signal(signal.SIGQUIT, _on_quit)
+    _running = running
+
+
+def _on_quit(signum, frame) -> None:
+    if _running is not None and _running() and callable(_sglang_on_quit):
+        _sglang_on_quit(signum, frame)
+    else:
+        logger.warning("SIGQUIT from an SGLang process after its engine was closed: ignored")
 LIMITS = (resource.RLIMIT_STACK, resource.RLIMIT_NOFILE)
 
 
