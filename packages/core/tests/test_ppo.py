@@ -37,7 +37,6 @@ def test_critic_warmup_trains_the_critic_alone_first(gearshift_model, tmp_path):
     assert "train/critic/vf_loss" in history[1] and "train/pg_loss" in history[1]
 
 
-
 def test_critic_epochs_pass_the_critic_over_each_batch_more_often(gearshift_model, tmp_path, monkeypatch):
     from gearshift import Trainer
 

@@ -143,7 +143,7 @@ class SGLangRolloutEngine(RolloutEngine):
             self._engine = GearshiftEngine(**kwargs)
             self._engine.collective_rpc("gearshift_freeze_gc")  # see children.py: cache flushes walk less
         _LIVE.add(self)
-        guard_sigquit(lambda: any(e._engine is not None for e in list(_LIVE)))
+        guard_sigquit(_any_running)
         #: variables SGLang set in the host, put back after start (and after each call)
         self.host_changes = host.changed_env
         # SGLang keeps a few tokens of the context in reserve: a prompt must be shorter than this
@@ -305,6 +305,10 @@ class SGLangRolloutEngine(RolloutEngine):
 
 #: the engines of this process, running or closed (see host.guard_sigquit)
 _LIVE: "weakref.WeakSet[SGLangRolloutEngine]" = weakref.WeakSet()
+
+
+def _any_running() -> bool:
+    return any(e._engine is not None for e in list(_LIVE))
 
 
 def _kv_bytes_per_token(config, dtype: torch.dtype) -> int:

@@ -31,6 +31,7 @@ import random
 import resource
 import signal
 import tempfile
+import threading
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -40,6 +41,7 @@ import torch
 
 OWN_PREFIX = "SGLANG_"
 SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGCHLD)
+LIMITS = (resource.RLIMIT_STACK, resource.RLIMIT_NOFILE)
 
 logger = logging.getLogger(__name__)
 #: SGLang's SIGQUIT handler, called only while `_running()` says an engine runs
@@ -52,8 +54,6 @@ def guard_sigquit(running) -> None:
 
     Called from the main thread (where Python handles signals); elsewhere it leaves the handler be."""
     global _sglang_on_quit, _running
-    import threading
-
     if threading.current_thread() is not threading.main_thread():
         return
     current = signal.getsignal(signal.SIGQUIT)
@@ -68,7 +68,6 @@ def _on_quit(signum, frame) -> None:
         _sglang_on_quit(signum, frame)
     else:
         logger.warning("SIGQUIT from an SGLang process after its engine was closed: ignored")
-LIMITS = (resource.RLIMIT_STACK, resource.RLIMIT_NOFILE)
 
 
 def default_cache_dir() -> Path:
