@@ -25,3 +25,24 @@ class TestTorchVLLMPair(PairSuite):
     @pytest.fixture
     def rollout_engine(self, serving_model_weights):
         return serving_model_weights
+
+
+class TestTorchLoraVLLMAdapterPair(PairSuite):
+    """A LoRA trainer beside an engine that serves adapters: every pair contract with the merged sync,
+    and the adapter sync (`test_adapter_sync_serves_the_trainers_policy`)."""
+
+    train_backend, rollout_backend = TorchTrainEngine, VLLMRolloutEngine
+
+    @pytest.fixture(scope="class")
+    @classmethod
+    def train_engine(cls, gearshift_model):
+        pytest.importorskip("peft")
+        return TorchTrainEngine.build(gearshift_model, lr=1e-2, lora_r=4, lora_alpha=8)
+
+    @pytest.fixture(scope="class")
+    @classmethod
+    def rollout_engine(cls, gearshift_model, vllm_cache_dir):
+        engine = VLLMRolloutEngine.build(gearshift_model, cache_dir=str(vllm_cache_dir), kv_cache_bytes=64 << 20,
+                                         max_lora_rank=4)
+        yield engine
+        engine.close()

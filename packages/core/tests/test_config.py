@@ -134,3 +134,11 @@ def test_engine_options_may_not_restate_common_arguments():
     assert "rollout.options.dtype: dtype is an argument of every rollout engine, set by rollout.dtype" in text
     assert "train.options.lr: lr is an argument of every train engine, set by train.lr" in text
     assert "max_batch_size" not in text and "zero_stage" not in text
+
+
+def test_switch_share_on_and_off_read_as_words_not_booleans(tmp_path):
+    # YAML 1.1 reads a bare on / off as true / false
+    assert [load_config(None, [f"switch.share={v}"]).switch.share for v in ("on", "off", "auto")] == ["on", "off", "auto"]
+    (tmp_path / "c.yaml").write_text("switch:\n  share: off\n")
+    assert load_config(tmp_path / "c.yaml").switch.share == "off"
+    assert build_config(None, {"switch": {"share": True}}).switch.share == "on"

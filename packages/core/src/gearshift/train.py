@@ -25,7 +25,7 @@ from .mesh import MeshSpec
 from .options import Buildable, EngineArgs, option
 from .reshard import DEFAULT_BUCKET_BYTES, plan_reshard, stream_plan
 from .tags import TRAIN_TAGS, check_tags
-from .weights import WeightBucket, WeightSpec
+from .weights import Adapter, WeightBucket, WeightSpec
 
 
 @dataclass(frozen=True)
@@ -186,6 +186,8 @@ class TrainEngine(Buildable, ABC):
     #: the engine's tensors stay whole and valid between exports, so a rollout engine may serve from
     #: them (False for an engine that gathers its weights only while exporting, as ZeRO-3 does)
     can_lend_weights: ClassVar[bool] = True
+    #: rank of the LoRA adapter the engine trains (`export_adapter`); 0: it trains every weight
+    lora_rank: int = 0
 
     args: TrainArgs
     device: torch.device
@@ -216,6 +218,14 @@ class TrainEngine(Buildable, ABC):
         target = spec if spec is not None else mine.replicated()
         yield from stream_plan(plan_reshard(mine, target, bucket_bytes), self.local_weights,
                                materialized=self.materialized)
+
+    def export_adapter(self) -> Adapter | None:
+        """The LoRA adapter this engine trains, whole on every rank (None: it trains no adapter).
+
+        Every rank calls it (it may gather). The adapter sync (`AdapterResharder`) hands it to a
+        rollout engine that serves adapters, instead of the merged weights `export_weights` gives.
+        """
+        return None
 
     @abstractmethod
     def forward_logprobs(self, batch: TrainBatch, with_entropy: bool = False) -> PolicyOutput:

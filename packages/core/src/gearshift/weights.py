@@ -186,3 +186,40 @@ class WeightBucket:
 
     def __len__(self) -> int:
         return len(self.tensors)
+
+
+@dataclass
+class Adapter:
+    """A LoRA adapter as it crosses a switch: every factor whole, in peft's file layout.
+
+    `tensors` are named as in peft's `adapter_model.safetensors`
+    (`base_model.model.<module>.lora_A.weight`, `...lora_B.weight`); `config` is
+    what its `adapter_config.json` holds (`r`, `lora_alpha`, `target_modules`, ...).
+    A rollout engine that serves adapters (`RolloutEngine.can_load_adapters`)
+    applies it on top of its base weights, the model it was built from.
+    """
+
+    tensors: dict[str, torch.Tensor]
+    config: dict
+
+    @property
+    def rank(self) -> int:
+        return int(self.config["r"])
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors.values())
+
+    def write(self, path) -> "Path":
+        """Write it as a peft adapter folder (adapter_config.json, adapter_model.safetensors)."""
+        import json
+        from pathlib import Path
+
+        from safetensors.torch import save_file
+
+        path = Path(path)
+        path.mkdir(parents=True, exist_ok=True)
+        (path / "adapter_config.json").write_text(json.dumps(self.config, indent=2, sort_keys=True))
+        save_file({n: t.detach().to("cpu").contiguous() for n, t in self.tensors.items()},
+                  str(path / "adapter_model.safetensors"), metadata={"format": "pt"})
+        return path

@@ -16,7 +16,7 @@ import torch
 
 from .. import dist as gdist
 from ..hybrid import HybridActor, ModeError
-from ..reshard import NaiveResharder, StreamingResharder, plan_reshard
+from ..reshard import AdapterResharder, NaiveResharder, StreamingResharder, plan_reshard
 from ..rollout import SamplingParams
 from ..train import TrainBatch
 from ..weights import WeightError, WeightSpec
@@ -168,6 +168,41 @@ class PairSuite:
             f"engine load {bench.engine_load_s:.4f}s) + {budget.overhead_s}s")
         assert bench.naive_s >= budget.m * bench.sync_s, (
             f"the naive resharder ({bench.naive_s:.4f}s) is not {budget.m}x slower than sync ({bench.sync_s:.4f}s)")
+
+    def test_adapter_sync_serves_the_trainers_policy(self, train_engine, rollout_engine):
+        """Where the pair can sync a LoRA adapter alone (a LoRA trainer, a rollout engine built with
+        `max_lora_rank`): logprobs agree as after a full sync, a train step reaches the rollout
+        engine through the adapter, only the adapter's bytes move, and a full sync after it serves
+        the same policy (the adapter is dropped, not applied twice)."""
+        why = AdapterResharder.refusal(train_engine, rollout_engine)
+        if why is not None:
+            pytest.skip(f"no adapter sync for this pair: {why}")
+        actor = HybridActor(train_engine, rollout_engine, AdapterResharder())
+        rounds = []
+        try:
+            for _ in range(2):
+                report = actor.to_rollout()
+                rounds.append(actor.generate(PROMPTS, SAMPLE))
+                actor.to_train()
+                assert train_logprob_diff(train_engine, rounds[-1]) <= self.logprob_atol
+                assert 0 < report.phase("load").bytes == train_engine.export_adapter().nbytes
+                assert report.phase("load").bytes < actor.plan.bytes_received(gdist.rank())
+                for _ in range(3):  # the next round serves an adapter trained further
+                    actor.train_step(fixed_batch(), nll)
+            full = HybridActor(train_engine, rollout_engine, StreamingResharder(share=False))
+            full.to_rollout()
+            merged = full.generate(PROMPTS, SAMPLE)
+            full.to_train()
+            actor.to_rollout()  # and back: the adapter on the model the engine was built from again
+            again = actor.generate(PROMPTS, SAMPLE)
+            actor.to_train()
+        finally:
+            actor.set_mode("train")
+        for older, newer in zip(rounds, rounds[1:] + [merged]):  # each round's training reached the engine
+            assert not same_outputs(older, newer) or max_logprob_diff(older, newer) > 1e-4
+        for out in (merged, again):
+            assert train_logprob_diff(train_engine, out) <= self.logprob_atol
+        assert same_outputs(merged, again) and max_logprob_diff(merged, again) <= self.logprob_atol
 
     def test_using_the_wrong_mode_is_a_clear_error(self, actor):
         with pytest.raises(ModeError, match="train mode"):

@@ -19,21 +19,22 @@ works out which train rank sends which slice to which rollout rank, and the
 slices cross over a `Link` (link.py: a process group over both pools, apart
 from each pool's own) through `send_weights` / `receive_weights` (pools.py).
 
-Two resharders ship with the core (resharders.py): `stream` (the above) and
+Three resharders ship with the core (resharders.py): `stream` (the above),
 `naive` (what a system without a resharder does: the trainer writes a full
-safetensors checkpoint and the rollout engine reloads it from that path);
-benchmarks compare against the latter.
+safetensors checkpoint and the rollout engine reloads it from that path;
+benchmarks compare against it) and `adapter` (a LoRA trainer's adapter alone,
+to a rollout engine that serves adapters on its base weights).
 """
 
 from .link import Link, open_store
 from .plan import BucketPlan, RankPiece, RankView, ReshardPlan, Transfer
 from .planner import DEFAULT_BUCKET_BYTES, plan_reshard, share_refusal
 from .pools import plan_between_pools, receive_weights, send_weights
-from .resharders import NaiveResharder, Resharder, StreamingResharder
+from .resharders import AdapterResharder, NaiveResharder, Resharder, StreamingResharder
 from .stream import stream_plan
 
 __all__ = [
-    "DEFAULT_BUCKET_BYTES", "BucketPlan", "Link", "NaiveResharder", "RankPiece", "RankView", "ReshardPlan",
+    "AdapterResharder", "DEFAULT_BUCKET_BYTES", "BucketPlan", "Link", "NaiveResharder", "RankPiece", "RankView", "ReshardPlan",
     "Resharder", "StreamingResharder", "Transfer", "open_store", "plan_between_pools", "plan_reshard",
     "receive_weights", "send_weights", "share_refusal", "stream_plan",
 ]

@@ -3,7 +3,8 @@
 `stream` runs the plan bucket by bucket straight into the rollout engine (or
 hands it the trainer's own tensors when the plan allows); `naive` is the file
 round trip of systems without a resharder, kept as the baseline benchmarks
-compare with.
+compare with; `adapter` sends a LoRA trainer's adapter alone to a rollout
+engine that serves adapters on top of the base weights it already holds.
 """
 
 from __future__ import annotations
@@ -160,4 +161,45 @@ class NaiveResharder(Resharder):
             gdist.barrier()
             if rank == 0:
                 shutil.rmtree(path.parent, ignore_errors=True)
+        return timer.report
+
+
+class AdapterResharder(Resharder):
+    """A LoRA trainer's adapter alone, whole on every rank, into a rollout engine that serves adapters.
+
+    The rollout engine keeps the base weights it was built from (the trainer's frozen base) and
+    applies the adapter on top (`RolloutEngine.load_adapter`): a sync moves r x (in + out)
+    numbers per adapted weight instead of every weight, and nothing is merged. The plan is still
+    worked out from both weight specs, so a pair whose base models differ fails at start.
+    """
+
+    def plan(self, train, rollout) -> ReshardPlan:
+        why = self.refusal(train, rollout)
+        if why is not None:
+            raise WeightError(f"cannot sync the adapter alone: {why}")
+        plan = super().plan(train, rollout)
+        plan.share = False
+        return plan
+
+    @staticmethod
+    def refusal(train: "TrainEngine", rollout: "RolloutEngine") -> str | None:
+        """Why this pair cannot sync by adapter (None: it can)."""
+        if not rollout.can_load_adapters:
+            return f"the rollout engine {type(rollout).__name__} cannot serve LoRA adapters"
+        rank = train.lora_rank
+        if not rank:
+            return f"the train engine {type(train).__name__} trains no LoRA adapter"
+        if rank > rollout.args.max_lora_rank:
+            return (f"the trainer's adapters have rank {rank}, above the rollout engine's max_lora_rank="
+                    f"{rollout.args.max_lora_rank}")
+        return None
+
+    def sync(self, plan, train, rollout, timer=None) -> SwitchReport:
+        timer = timer or PhaseTimer(train.device, "to_rollout")
+        with timer.phase("export"):
+            adapter = train.export_adapter()
+            if adapter is None:
+                raise WeightError(f"{type(train).__name__} has no adapter to export")
+        with timer.phase("load") as ph:
+            ph.bytes = rollout.load_adapter(adapter)
         return timer.report

@@ -27,6 +27,13 @@ class LoraConfig:
     alpha: int = 16  # the adapters are scaled by alpha / r
     dropout: float = 0.0  # dropout on the adapters' input while training
     target_modules: list[str] = field(default_factory=lambda: ["all-linear"])  # names/suffixes, or all-linear
+    # what a switch sends the rollout engine: merged (W + alpha/r B A, any engine) or adapter (the adapter alone,
+    # served on the base by an engine that can: vllm)
+    sync: str = "merged"
+
+    @property
+    def adapter_sync(self) -> bool:
+        return bool(self.r) and self.sync == "adapter"
 
     def train_options(self) -> dict[str, Any]:
         """The options a trainer built on `ModuleTrainEngine` takes for this (none when r is 0)."""
@@ -95,6 +102,10 @@ class SwitchConfig:
     offload_params: bool = False  # also move the trained weights to host during rollout (turns sharing off)
     options: dict[str, Any] = field(default_factory=dict)  # more resharder options
 
+    def __post_init__(self) -> None:
+        # YAML reads a bare on / off as a boolean, which lands in this str field as 'True' / 'False'
+        self.share = {"True": "on", "true": "on", "False": "off", "false": "off"}.get(str(self.share), self.share)
+
 
 #: algorithm.gae_norm -> the options of the gae estimator
 GAE_NORMS = {"center_scale": {"whiten_advantages": True, "center": True},
@@ -109,7 +120,8 @@ COMMON_KEYS = {("", "model"): "model.path", ("", "seed"): "run.seed", ("rollout"
                ("", "weight_decay"): "train.weight_decay", ("", "max_grad_norm"): "train.max_grad_norm",
                ("", "micro_batch_size"): "train.micro_batch_size",
                ("", "max_tokens_per_micro_batch"): "train.max_tokens_per_micro_batch",
-               ("", "dropout"): "model.dropout", ("", "value_head"): "algorithm.name=ppo (its critic)"}
+               ("", "dropout"): "model.dropout", ("", "value_head"): "algorithm.name=ppo (its critic)",
+               ("rollout", "max_lora_rank"): "model.lora.sync=adapter (with model.lora.r)"}
 
 
 @dataclass
@@ -331,6 +343,10 @@ class Config:
                                 f"set by {where or 'the run'}; remove it from {kind}.options")
         return problems
 
+    def resharder(self) -> str:
+        """The reshard backend a switch uses: `adapter` with `model.lora.sync=adapter`, else `switch.resharder`."""
+        return "adapter" if self.model.lora.adapter_sync else self.switch.resharder
+
     def mini_batches(self) -> int:
         """Optimizer steps each epoch takes over a step's batch: `train.mini_batch_size` or the algorithm's own."""
         batch = self.run.prompts_per_step * self.rollout.n
@@ -389,6 +405,20 @@ class Config:
         if lora.r and not lora.target_modules:
             problems.append("model.lora.target_modules is empty: name layers (e.g. [q_proj, v_proj]) or use "
                             "[all-linear]")
+        if lora.sync not in ("merged", "adapter"):
+            problems.append(f"model.lora.sync={lora.sync!r}: use merged or adapter")
+        elif lora.sync == "adapter":
+            if not lora.r:
+                problems.append("model.lora.sync=adapter needs LoRA: set model.lora.r (e.g. 8)")
+            if self.run.placement != "colocated":
+                problems.append("model.lora.sync=adapter runs colocated only: set run.placement=colocated, or "
+                                "model.lora.sync=merged")
+            if self.switch.resharder not in ("stream", "adapter"):
+                problems.append(f"model.lora.sync=adapter syncs through the adapter resharder, not "
+                                f"switch.resharder={self.switch.resharder!r}: drop one")
+            if self.switch.share == "on":
+                problems.append("model.lora.sync=adapter with switch.share=on: the rollout engine holds its own "
+                                "base weights, it cannot serve from the trainer's; drop one")
         if len(rw.weights) != 2:
             problems.append(f"reward.weights={rw.weights}: give two weights, for [fn, model]")
         if rw.model_batch_size < 1:

@@ -18,7 +18,7 @@ import torch
 
 from .. import dist as gdist, registry
 from . import checkpoint
-from .config import Config
+from .config import Config, ConfigError
 from .engines import (
     build_critic, build_policy, build_reference, build_resharder, build_reward_model, build_rollout, check_context,
 )
@@ -51,8 +51,11 @@ class Controller:
         cfg = self.config
         # every backend is found before anything is built: a missing or ambiguous one fails first
         for kind, name in (("train", cfg.train.backend), ("rollout", cfg.rollout.backend),
-                           ("reshard", cfg.switch.resharder)):
+                           ("reshard", cfg.resharder())):
             registry.load(kind, name)
+        if cfg.model.lora.adapter_sync and not registry.load("rollout", cfg.rollout.backend).can_load_adapters:
+            raise ConfigError(f"model.lora.sync=adapter: rollout.backend={cfg.rollout.backend} cannot serve LoRA "
+                              f"adapters; use a backend that can (vllm), or model.lora.sync=merged")
         random.seed(cfg.run.seed + self.rank)
         torch.manual_seed(cfg.run.seed)
         self.out = Path(cfg.run.output_dir)

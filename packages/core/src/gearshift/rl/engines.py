@@ -60,8 +60,10 @@ def build_critic(cfg: Config, model_path: str):
 def build_rollout(cfg: Config, model_path: str):
     """The rollout engine, checked to hold a prompt and its completion."""
     r = cfg.rollout
+    lora = cfg.model.lora
     rollout = registry.create("rollout", r.backend, model=model_path, dtype=r.dtype or cfg.model.dtype,
-                              seed=cfg.run.seed, mesh=r.mesh or None, max_model_len=r.max_model_len, **r.options)
+                              seed=cfg.run.seed, mesh=r.mesh or None, max_model_len=r.max_model_len,
+                              **({"max_lora_rank": lora.r} if lora.adapter_sync else {}), **r.options)
     if rollout.max_model_len < cfg.data.max_prompt_len + r.max_tokens:
         raise ConfigError(cfg.context_problem(rollout.max_model_len) + f" (the {r.backend} engine's context)")
     return rollout
@@ -69,8 +71,9 @@ def build_rollout(cfg: Config, model_path: str):
 
 def build_resharder(cfg: Config):
     sw = cfg.switch
-    return registry.create("reshard", sw.resharder, bucket_bytes=sw.bucket_mb << 20, **sw.options,
-                           **({"share": SHARE[sw.share]} if sw.resharder == "stream" else {}))
+    name = cfg.resharder()
+    return registry.create("reshard", name, bucket_bytes=sw.bucket_mb << 20, **sw.options,
+                           **({"share": SHARE[sw.share]} if name == "stream" else {}))
 
 
 def build_reward_model(cfg: Config, path: str, device, dtype):
