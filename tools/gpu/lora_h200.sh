@@ -43,8 +43,10 @@ for what in "$@"; do
       done ;;
     rollout)
       for m in ${models//,/ }; do
-        timeout 300 python3 tools/gpu/lora_rollout.py --model "$m" --r 16 --out "$out/rollout" 2>&1 | quiet \
-          | tee "$out/rollout-$m.log" | tail -4
+        for mode in merged adapter; do  # one vLLM engine a process on a GPU
+          timeout 240 python3 tools/gpu/lora_rollout.py --model "$m" --r 16 --modes $mode --out "$out/rollout" \
+            2>&1 | quiet | tee "$out/rollout-$m-$mode.log" | tail -3
+        done
       done ;;
     grpo)
       for sync in merged adapter; do

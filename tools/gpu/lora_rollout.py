@@ -81,6 +81,9 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--switches", type=int, default=5)
     p.add_argument("--gpu-memory-utilization", type=float, default=0.3)
+    p.add_argument("--modes", default="merged,adapter",
+                   help="which syncs to measure; on a GPU one per process (vLLM's sleep-mode allocator allows "
+                        "one engine a process)")
     p.add_argument("--out", default="runs/lora-rollout")
     args = p.parse_args()
     path = resolve_model(args.model)
@@ -90,13 +93,14 @@ def main() -> None:
     vocab = train.hf_model.config.vocab_size
     gen = torch.Generator().manual_seed(0)
     prompts = torch.randint(10, vocab, (args.prompts, args.prompt_len), generator=gen).tolist()
-    rows = [measure(train, path, mode, args, prompts) for mode in ("merged", "adapter")]
+    rows = [measure(train, path, mode, args, prompts) for mode in args.modes.split(",")]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     result = {"model": args.model, "dtype": args.dtype, "r": args.r, "prompts": args.prompts, "n": args.n,
               "max_tokens": args.max_tokens, "adapter_bytes": train.export_adapter().nbytes,
               "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu", "rows": rows}
-    (out / f"lora-rollout-{args.model}-r{args.r}.json").write_text(json.dumps(result, indent=2))
+    (out / f"lora-rollout-{args.model}-r{args.r}-{args.modes.replace(',', '+')}.json").write_text(
+        json.dumps(result, indent=2))
     print(f"{args.model} ({args.dtype}), LoRA r={args.r}, {args.prompts} prompts x {args.n} samples x "
           f"<= {args.max_tokens} tokens, on {result['device']}")
     print(f"{'sync':<8}{'engine start s':>15}{'sync ms':>10}{'sync MB':>10}{'tokens/s':>10}{'max |dlogp|':>13}")

@@ -1,6 +1,7 @@
 """The core conformance suite: the vllm rollout engine alone, and paired with the core's `torch` trainer."""
 
 import pytest
+import torch
 
 from gearshift.backends.torch_train import TorchTrainEngine
 from gearshift.conformance import PairSuite, RolloutEngineSuite
@@ -46,3 +47,9 @@ class TestTorchLoraVLLMAdapterPair(PairSuite):
                                          max_lora_rank=4)
         yield engine
         engine.close()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU weight layouts")
+def test_serving_adapters_on_a_cpu_needs_the_plain_layout(gearshift_model):
+    with pytest.raises(ValueError, match="cpu_weights='plain'"):
+        VLLMRolloutEngine.build(gearshift_model, max_lora_rank=8, cpu_weights="packed")

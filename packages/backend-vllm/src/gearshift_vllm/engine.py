@@ -155,6 +155,8 @@ class VLLMRolloutEngine(RolloutEngine):
         kwargs.update(opts.engine_kwargs)
         #: CPU weight layout ("plain" or "packed"); None on GPU
         self.cpu_weights = None if self.on_gpu else choose_layout(opts.cpu_weights, self.dtype)
+        if args.max_lora_rank and self.cpu_weights == "packed":
+            raise ValueError("serving LoRA adapters on a CPU needs the plain weight layout: cpu_weights='plain'")
         if self.cpu_weights == "plain" and kwargs.get("load_format", "auto") not in ("auto", "safetensors"):
             raise ValueError(f"cpu_weights='plain' loads local safetensors itself; load_format="
                              f"{kwargs['load_format']!r} needs cpu_weights='packed'")
@@ -197,6 +199,8 @@ class VLLMRolloutEngine(RolloutEngine):
         if self.cpu_weights != "packed":
             views = self._llm.collective_rpc(_landing_views, args=(self._units, layout["packed"]))[0]
             self._landing = verified_landing(views, _checkpoint(self.model_path, self._spec))
+        #: serving adapters, the weights vLLM's loader would take: it does not know its own LoRA-wrapped modules
+        self._unlanded = [n for n in self._spec.names() if n not in self._landing] if args.max_lora_rank else []
         self.casts_on_load = self.cpu_weights != "packed"  # copy_ and vLLM's loaders cast as they copy
         if self.cpu_weights == "plain" and layout["packed_copies"]:
             raise RuntimeError(f"vLLM still computes {layout['packed_copies'][:3]} from packed copies with "
@@ -301,6 +305,7 @@ class VLLMRolloutEngine(RolloutEngine):
                 for bucket in buckets:
                     try:
                         tensors = self._spec.check(bucket.tensors, self.rank)
+                        self._check_landing(tensors)
                     except WeightError as e:
                         raise WeightError(f"{e} ({applied} weights from the buckets before it were applied)") from e
                     direct = [n for n in tensors if n in self._landing]
@@ -316,8 +321,19 @@ class VLLMRolloutEngine(RolloutEngine):
             self.reset_cache()
         return loaded
 
+    def _check_landing(self, tensors: dict[str, torch.Tensor]) -> None:
+        if self._unlanded:
+            stuck = [n for n in tensors if n not in self._landing]
+            if stuck:
+                raise WeightError(f"this engine serves LoRA adapters (max_lora_rank={self.args.max_lora_rank}) and "
+                                  f"cannot write {stuck[:3]} in place (vLLM's own loader does not know its "
+                                  f"LoRA-wrapped modules): sync the adapter alone, or build it without max_lora_rank")
+
     def own_load(self, buckets: Iterable[WeightBucket]) -> int:
-        """vLLM's `load_weights` (the packed CPU layout: its `reload_weights`), nothing written around it."""
+        """vLLM's `load_weights` (the packed CPU layout: its `reload_weights`), nothing written around it.
+        Serving adapters, the in-place copy: vLLM's loader does not know its LoRA-wrapped modules."""
+        if self.args.max_lora_rank:
+            return self.update_weights(buckets)
         self._lora_request, self._base_replaced = None, True
         if self.cpu_weights == "packed":
             return self._reload_packed(buckets)

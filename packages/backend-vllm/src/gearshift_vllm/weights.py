@@ -110,7 +110,8 @@ def landing_views(model: torch.nn.Module, names: Iterable[str], units: Mapping[s
     lands in rows of the fused parameter, at the offsets its module's
     `output_partition_sizes` give; a padded vocabulary keeps the checkpoint's rows first.
     Only unsharded modules (tensor parallel size 1) are mapped: a weight left out is loaded
-    through vLLM's `load_weights`. `verified_landing` then keeps only the views that hold
+    through vLLM's `load_weights`. A module vLLM wrapped to serve LoRA adapters keeps the
+    weight in its `base_layer`. `verified_landing` then keeps only the views that hold
     exactly what the checkpoint holds, so a weight vLLM transforms on load is never written
     around its loader.
     """
@@ -119,11 +120,13 @@ def landing_views(model: torch.nn.Module, names: Iterable[str], units: Mapping[s
     views: dict[str, torch.Tensor] = {}
     for name in names:
         module_name, _, leaf = name.rpartition(".")
-        unit = units.get(name)
-        target = params.get(f"{unit}.{leaf}") if unit else None
+        unit = owner = units.get(name)
+        if unit and f"{unit}.base_layer.{leaf}" in params:  # vLLM's LoRA wrapper: the weight is its base layer's
+            owner = f"{unit}.base_layer"
+        target = params.get(f"{owner}.{leaf}") if owner else None
         if target is None:
             continue
-        module = model.get_submodule(unit)
+        module = model.get_submodule(owner)
         if getattr(module, "tp_size", 1) != 1:
             continue
         part = module_name.rpartition(".")[2]
