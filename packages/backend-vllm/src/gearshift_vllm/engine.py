@@ -155,6 +155,9 @@ class VLLMRolloutEngine(RolloutEngine):
         kwargs.update(opts.engine_kwargs)
         #: CPU weight layout ("plain" or "packed"); None on GPU
         self.cpu_weights = None if self.on_gpu else choose_layout(opts.cpu_weights, self.dtype)
+        if args.max_lora_rank and self.on_gpu and self.dtype not in (torch.float16, torch.bfloat16):
+            raise ValueError(f"vLLM's GPU LoRA kernels take float16 or bfloat16 weights, not {args.dtype}: serve "
+                             f"adapters in half precision (rollout.dtype=bfloat16), or sync merged weights")
         if args.max_lora_rank and self.cpu_weights == "packed":
             raise ValueError("serving LoRA adapters on a CPU needs the plain weight layout: cpu_weights='plain'")
         if self.cpu_weights == "plain" and kwargs.get("load_format", "auto") not in ("auto", "safetensors"):
