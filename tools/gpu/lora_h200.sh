@@ -3,8 +3,8 @@
 # tools/gpu/make_wheels.sh (.whl/, from the committed tree) and ../shared/tools/vllm-on-h200/make_chunks.sh
 # (.carry/). Then device calls, back to back (a warm machine keeps /tmp): carry .carry/c01 .. c04 with
 # `mkdir -p /tmp/chunks && cp .carry/c0?/part.* /tmp/chunks/`, then carry [.carry/c05, .carry/dev, .whl] with:
-#   bash tools/gpu/lora_h200.sh tests     the vllm conformance pair with a LoRA trainer (adapter sync included)
-#                                        and GRPO with model.lora.sync=adapter through vLLM, on the GPU
+#   bash tools/gpu/lora_h200.sh tests     the vllm conformance pair with a LoRA trainer (fp32: skipped on a GPU,
+#                                        whose LoRA kernels take half precision; grpo below runs it in bf16)
 #   bash tools/gpu/lora_h200.sh bench     gearshift bench switch --lora-r 16, torch -> vllm, bf16, at MODELS
 #                                        (default qwen2-0.5b,qwen2-7b): merged and adapter sync, bytes and time
 #   bash tools/gpu/lora_h200.sh rollout   tools/gpu/lora_rollout.py at MODELS: generation tokens/s with the
@@ -43,7 +43,7 @@ for what in "$@"; do
       done ;;
     rollout)
       for m in ${models//,/ }; do
-        for mode in merged adapter; do  # one vLLM engine a process on a GPU
+        for mode in ${MODES:-merged adapter}; do  # one vLLM engine a process on a GPU
           timeout 240 python3 tools/gpu/lora_rollout.py --model "$m" --r 16 --modes $mode --out "$out/rollout" \
             2>&1 | quiet | tee "$out/rollout-$m-$mode.log" | tail -3
         done
