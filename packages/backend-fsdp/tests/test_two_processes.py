@@ -83,7 +83,8 @@ def two_process_run(tmp_path_factory):
 
 def test_every_check_passes_on_both_ranks(two_process_run):
     proc, outputs, _ = two_process_run
-    assert_all_passed(proc, outputs, 2, MUST_PASS, may_skip=("resharding to a smaller group", "copies by default"))
+    assert_all_passed(proc, outputs, 2, MUST_PASS, may_skip=("resharding to a smaller group", "copies by default",
+                                                          "no adapter sync for this pair"))
 
 
 def test_a_two_process_checkpoint_resumes_in_one(two_process_run, gearshift_model):
@@ -104,4 +105,4 @@ def test_four_processes_with_two_by_two_hybrid_sharding(tmp_path):
                                          "GEARSHIFT_FSDP_OPTIONS": json.dumps({"replicate": 2})},
                            ("--deselect", f"test_conformance.py::TestFSDPWithHFRollout::{LATENCY_BUDGET_TEST}"))
     assert_all_passed(proc, outputs, 4, MUST_PASS + ["test_reshard_after_forward_to_a_smaller_group"],
-                      may_skip=("copies by default",))
+                      may_skip=("copies by default", "no adapter sync for this pair"))
