@@ -15,18 +15,7 @@ set -uo pipefail
 cd "$(dirname "$0")/../.."
 what=${1:?what to run}; out=${OUT:-/tmp/out}
 mkdir -p "$out"
-if [ -d .carry/dev ] && [ ! -d /tmp/site/vllm ]; then
-  bash .carry/dev/install.sh || exit 1
-fi
-if [ ! -d /tmp/site/gearshift ]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .whl/*.whl 2>&1 \
-    | grep -v "WARNING: Target directory" | tail -3
-fi
-echo "gearshift from commit $(cat .whl/COMMIT 2>/dev/null)"
-export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 GEARSHIFT_CACHE=/tmp/gscache
-export VLLM_ENABLE_V1_MULTIPROCESSING=0 VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_CACHE_ROOT=/tmp/vllm_cache
-export TORCH_CUDA_ARCH_LIST=9.0 TORCH_EXTENSIONS_DIR=/tmp/torch_extensions
-quiet() { grep --line-buffered -v "Loading weights\|Writing model\|Loading safetensors\|it/s\]$"; }
+source tools/gpu/vllm_env.sh
 bf16='{"dtype": "bfloat16"}'
 case "$what" in
   switch)

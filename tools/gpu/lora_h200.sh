@@ -6,7 +6,7 @@
 #   bash tools/gpu/lora_h200.sh tests     the vllm conformance pair with a LoRA trainer (fp32: skipped on a GPU,
 #                                        whose LoRA kernels take half precision; grpo below runs it in bf16)
 #   bash tools/gpu/lora_h200.sh bench     gearshift bench switch --lora-r 16, torch -> vllm, bf16, at MODELS
-#                                        (default qwen2-0.5b,qwen2-7b): merged and adapter sync, bytes and time
+#                                        (default qwen2-0.5b,qwen2-1.5b): merged and adapter sync, bytes and time
 #   bash tools/gpu/lora_h200.sh rollout   tools/gpu/lora_rollout.py at MODELS: generation tokens/s with the
 #                                        adapter on the base against the merged weights, logprob gap to training
 #   bash tools/gpu/lora_h200.sh grpo      GRPO at 0.5B with LoRA r=16, merged and adapter sync: step, switch and
@@ -16,18 +16,8 @@ set -uo pipefail
 cd "$(dirname "$0")/../.."
 out=${OUT:-/tmp/out}
 mkdir -p "$out"
-if [ -d .carry/dev ] && [ ! -d /tmp/site/vllm ]; then
-  bash .carry/dev/install.sh || exit 1
-fi
-if [ ! -d /tmp/site/gearshift ]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .whl/*.whl 2>&1 \
-    | grep -v "WARNING: Target directory" | tail -3
-fi
-echo "gearshift from commit $(cat .whl/COMMIT 2>/dev/null)"
-export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 GEARSHIFT_CACHE=/tmp/gscache
-export VLLM_ENABLE_V1_MULTIPROCESSING=0 VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_CACHE_ROOT=/tmp/vllm_cache
-quiet() { grep --line-buffered -v "Loading weights\|Writing model\|Loading safetensors\|it/s\]$\|^\s*$"; }
-models=${MODELS:-qwen2-0.5b,qwen2-7b}
+source tools/gpu/vllm_env.sh
+models=${MODELS:-qwen2-0.5b,qwen2-1.5b}
 for what in "$@"; do
   case "$what" in
     tests)

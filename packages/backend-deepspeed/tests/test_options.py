@@ -99,46 +99,32 @@ def test_bad_options_are_refused_with_a_clear_error(gearshift_model):
             build(gearshift_model, mesh=MeshSpec(tp=gdist.world_size()))
 
 
-def test_checkpoint_for_another_dp_size(gearshift_model):
-    """Under torchrun: resume the checkpoint the launcher wrote in one process, and write one it resumes."""
+def handoff(model, prefix: str = "", **options) -> None:
+    """Resume the `{prefix}ckpt` the launcher wrote in one process, then write one that it resumes."""
     folder = os.environ.get("GEARSHIFT_DEEPSPEED_HANDOFF")
     if not folder:
         pytest.skip("the launcher of the two-process run sets GEARSHIFT_DEEPSPEED_HANDOFF")
-    written_by_one = torch.load(os.path.join(folder, "one", "expected.pt"), weights_only=True)
-    engine = build(gearshift_model)
-    engine.load(os.path.join(folder, "one", "ckpt"))
+    written_by_one = torch.load(os.path.join(folder, "one", f"{prefix}expected.pt"), weights_only=True)
+    engine = build(model, **options)
+    engine.load(os.path.join(folder, "one", f"{prefix}ckpt"))
     assert_same(full_weights(engine), written_by_one["weights"])
     assert engine.train_step(fixed_batch(), nll)["loss"] == pytest.approx(written_by_one["next_loss"], rel=1e-6)
 
-    engine = build(gearshift_model)
+    engine = build(model, **options)
     engine.train_step(fixed_batch(), nll)
-    engine.save(os.path.join(folder, "two", "ckpt"))
+    engine.save(os.path.join(folder, "two", f"{prefix}ckpt"))
     weights = full_weights(engine)
     loss = engine.train_step(fixed_batch(), nll)["loss"]
     if gdist.rank() == 0:
-        torch.save({"weights": weights, "next_loss": loss}, os.path.join(folder, "two", "expected.pt"))
+        torch.save({"weights": weights, "next_loss": loss}, os.path.join(folder, "two", f"{prefix}expected.pt"))
     gdist.barrier()
 
 
-LORA = {"lora_r": 4, "lora_alpha": 8}
+def test_checkpoint_for_another_dp_size(gearshift_model):
+    """Under torchrun: resume the checkpoint the launcher wrote in one process, and write one it resumes."""
+    handoff(gearshift_model)
 
 
 def test_lora_checkpoint_for_another_dp_size(gearshift_model):
     """Under torchrun: the same with LoRA, whose checkpoints hold the adapters only (the base is the model)."""
-    folder = os.environ.get("GEARSHIFT_DEEPSPEED_HANDOFF")
-    if not folder:
-        pytest.skip("the launcher of the two-process run sets GEARSHIFT_DEEPSPEED_HANDOFF")
-    written_by_one = torch.load(os.path.join(folder, "one", "lora-expected.pt"), weights_only=True)
-    engine = build(gearshift_model, **LORA)
-    engine.load(os.path.join(folder, "one", "lora-ckpt"))
-    assert_same(full_weights(engine), written_by_one["weights"])
-    assert engine.train_step(fixed_batch(), nll)["loss"] == pytest.approx(written_by_one["next_loss"], rel=1e-6)
-
-    engine = build(gearshift_model, **LORA)
-    engine.train_step(fixed_batch(), nll)
-    engine.save(os.path.join(folder, "two", "lora-ckpt"))
-    weights = full_weights(engine)
-    loss = engine.train_step(fixed_batch(), nll)["loss"]
-    if gdist.rank() == 0:
-        torch.save({"weights": weights, "next_loss": loss}, os.path.join(folder, "two", "lora-expected.pt"))
-    gdist.barrier()
+    handoff(gearshift_model, "lora-", lora_r=4, lora_alpha=8)
