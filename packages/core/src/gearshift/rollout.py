@@ -182,11 +182,11 @@ class RolloutEngine(Buildable, ABC):
         raise NotImplementedError(f"{type(self).__name__} cannot serve from another engine's tensors")
 
     def load_adapter(self, adapter: Adapter) -> int:
-        """Serve `adapter` on top of the base weights from now on; returns the bytes of its tensors.
+        """Serve `adapter` on top of the model the engine was built from; returns the bytes of its tensors.
 
-        The base weights are those the engine holds (the model it was built from, or what
-        `update_weights` last wrote); a later `update_weights` or `share_weights` hands in a
-        whole policy and drops the adapter. Raises `WeightError` on an adapter the engine
+        That model is the trainer's frozen base: an engine whose weights `update_weights` replaced
+        since restores it first. A later `update_weights` or `share_weights` hands in a whole
+        policy and drops the adapter. Raises `WeightError` on an adapter the engine
         cannot serve (a rank above `max_lora_rank`, a module it has no adapter slot for),
         before any of it is applied, and `RolloutError` while the weights sleep. The prefix
         cache is dropped. An engine built with `max_lora_rank` > 0 keeps its base weights through
