@@ -126,6 +126,18 @@ def test_mini_batches_default_to_the_algorithms_own():
     assert load_config(None, ["train.mini_batch_size=64"]).mini_batches() == 4  # 32 prompts x 8 samples
 
 
+def test_the_policy_learning_rate_defaults_to_the_algorithms_own():
+    from gearshift.rl.engines import train_options
+
+    assert load_config(None, []).policy_lr() == 3e-4
+    assert load_config(None, ["algorithm.name=ppo"]).policy_lr() == 2e-4
+    assert build_config(None, {"algorithm": {"name": "ppo"}}).policy_lr() == 2e-4  # Trainer(algorithm=...)
+    assert load_config(None, ["algorithm.name=ppo", "train.lr=1e-5"]).policy_lr() == 1e-5
+    assert train_options(load_config(None, ["algorithm.name=ppo"]), "model")["lr"] == 2e-4
+    with pytest.raises(ConfigError, match="train.lr=-0.1 must be > 0"):
+        load_config(None, ["train.lr=-0.1"]).validate()
+
+
 def test_engine_options_may_not_restate_common_arguments():
     with pytest.raises(ConfigError) as e:
         load_config(None, ['rollout.options={"dtype": "bfloat16", "max_batch_size": 8}',

@@ -79,7 +79,7 @@ class RolloutConfig:
 @dataclass
 class TrainConfig:
     backend: str = "fsdp"
-    lr: float = 3e-4
+    lr: float = 0.0  # the policy's learning rate; 0: the algorithm's own (Config.policy_lr: grpo 3e-4, ppo 2e-4)
     weight_decay: float = 0.0
     max_grad_norm: float = 1.0
     # sequences per optimizer step, over the whole batch; 0: the algorithm's own: grpo takes the whole batch
@@ -139,7 +139,7 @@ class AlgorithmConfig:
     loss_agg: str = "token_mean"  # token_mean | seq_mean_token_sum | seq_mean_token_mean
     norm_adv_by_std: bool = True
     # GAE (ppo): with outcome rewards, gamma = lam = 1 makes each token's advantage the reward minus the
-    # critic's value of the state it was chosen in; the critic learns at 10x the policy's default lr
+    # critic's value of the state it was chosen in; the critic learns at 5x the policy's default lr
     gamma: float = 1.0
     lam: float = 1.0
     critic_lr: float = 1e-3
@@ -287,6 +287,8 @@ class Config:
             problems.append(f"algorithm.critic_warmup={a.critic_warmup} must be >= 0")
         if a.critic_epochs < 0:
             problems.append(f"algorithm.critic_epochs={a.critic_epochs} must be >= 0 (0: algorithm.epochs)")
+        if t.lr < 0:
+            problems.append(f"train.lr={t.lr} must be > 0 (or 0: the algorithm's own)")
         if t.max_tokens_per_micro_batch < 0:
             problems.append(f"train.max_tokens_per_micro_batch={t.max_tokens_per_micro_batch} must be >= 0")
         if a.kl_in not in ("loss", "reward"):
@@ -342,6 +344,11 @@ class Config:
                 problems.append(f"{kind}.options.{key}: {key} is an argument of every {kind} engine, "
                                 f"set by {where or 'the run'}; remove it from {kind}.options")
         return problems
+
+    def policy_lr(self) -> float:
+        """The policy's learning rate: `train.lr`, or the algorithm's own (PPO's two optimizer steps a batch
+        take a smaller one)."""
+        return self.train.lr or (2e-4 if self.algorithm.name == "ppo" else 3e-4)
 
     def resharder(self) -> str:
         """The reshard backend a switch uses: `adapter` with `model.lora.sync=adapter`, else `switch.resharder`."""

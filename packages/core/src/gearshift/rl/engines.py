@@ -20,7 +20,7 @@ def train_options(cfg: Config, model_path: str) -> dict[str, Any]:
     """What the policy is built from (the reference and the critic start from it too)."""
     t = cfg.train
     return {"model": model_path, "dtype": cfg.model.dtype, "seed": cfg.run.seed, "mesh": t.mesh or None,
-            "lr": t.lr, "weight_decay": t.weight_decay, "max_grad_norm": t.max_grad_norm,
+            "lr": cfg.policy_lr(), "weight_decay": t.weight_decay, "max_grad_norm": t.max_grad_norm,
             "micro_batch_size": t.micro_batch_size or None,
             "max_tokens_per_micro_batch": t.max_tokens_per_micro_batch or None,
             "dropout": cfg.model.dropout, **cfg.model.lora.train_options(), **t.options}
