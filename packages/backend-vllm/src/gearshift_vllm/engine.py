@@ -337,7 +337,6 @@ class VLLMRolloutEngine(RolloutEngine):
         Serving adapters, the in-place copy: vLLM's loader does not know its LoRA-wrapped modules."""
         if self.args.max_lora_rank:
             return self.update_weights(buckets)
-        self._lora_request, self._base_replaced = None, True
         if self.cpu_weights == "packed":
             return self._reload_packed(buckets)
         loaded = 0

@@ -30,6 +30,10 @@ from .weights import WeightBucket
 SYNC_PHASES = ("export", "load", "share")
 
 
+def _sync_seconds(report: SwitchReport) -> float:
+    return sum(p.seconds for p in report.phases if p.name in SYNC_PHASES)
+
+
 @dataclass
 class SwitchBench:
     """Medians of N switches of one pair, and the baselines measured beside them."""
@@ -50,7 +54,7 @@ class SwitchBench:
 
     @property
     def sync_s(self) -> float:
-        return sum(p.seconds for p in self.to_rollout.phases if p.name in SYNC_PHASES)
+        return _sync_seconds(self.to_rollout)
 
     @property
     def shared(self) -> bool:
@@ -59,9 +63,7 @@ class SwitchBench:
 
     @property
     def adapter_sync_s(self) -> float | None:
-        if self.adapter is None:
-            return None
-        return sum(p.seconds for p in self.adapter.phases if p.name in SYNC_PHASES)
+        return None if self.adapter is None else _sync_seconds(self.adapter)
 
     @property
     def adapter_bytes(self) -> int | None:
@@ -183,6 +185,20 @@ def _exchange(plan, device: torch.device, gathers: bool = False):
     return run
 
 
+def _round_trips(actor: HybridActor, times: int, bar,
+                 warm_up: bool = False) -> tuple[list[SwitchReport], list[SwitchReport]]:
+    """`times` round trips of `actor`, after one more that is not kept (`warm_up`: first-touch allocations are
+    not what a steady run pays); the reports of each way."""
+    ups, downs = [], []
+    for i in range(times + int(warm_up)):
+        up, down = actor.to_rollout(), actor.to_train()
+        if i or not warm_up:
+            ups.append(up)
+            downs.append(down)
+        bar.update(1)
+    return ups, downs
+
+
 def measure_pair(train, rollout, switches: int = 5, naive_switches: int = 3, naive_dir: str | None = None,
                  progress: bool = False, labels: tuple[str, str, str] = ("", "", ""),
                  share: bool | None = None, offload: str | list[str] = "auto") -> SwitchBench:
@@ -200,29 +216,12 @@ def measure_pair(train, rollout, switches: int = 5, naive_switches: int = 3, nai
     by_adapter = AdapterResharder.refusal(train, rollout) is None
     bar = tqdm(total=(switches + 1) * (2 if by_adapter else 1) + naive_switches, desc="switches",
                disable=not progress or gdist.rank() != 0)
-    actor.to_rollout()  # warm-up: first-touch allocations are not what a steady run pays
-    actor.to_train()
-    bar.update(1)
-    ups, downs = [], []
-    for _ in range(switches):
-        ups.append(actor.to_rollout())
-        downs.append(actor.to_train())
-        bar.update(1)
-    naive_actor = HybridActor(train, rollout, NaiveResharder(directory=naive_dir))
-    naive = []
-    for _ in range(naive_switches):
-        naive.append(naive_actor.to_rollout())
-        naive_actor.to_train()
-        bar.update(1)
+    ups, downs = _round_trips(actor, switches, bar, warm_up=True)
+    naive, _ = _round_trips(HybridActor(train, rollout, NaiveResharder(directory=naive_dir)), naive_switches, bar)
     adapter = None
     if by_adapter:
         adapter_actor = HybridActor(train, rollout, AdapterResharder(), offload=offload)
-        adapter_ups = []
-        for i in range(switches + 1):  # the first one warms up
-            report = adapter_actor.to_rollout()
-            adapter_actor.to_train()
-            adapter_ups += [report] if i else []
-            bar.update(1)
+        adapter_ups, _ = _round_trips(adapter_actor, switches, bar, warm_up=True)
         adapter = median_report(adapter_ups)
     bar.close()
     plan = actor.plan

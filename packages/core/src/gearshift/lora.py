@@ -18,10 +18,8 @@ r x (in + out) numbers per weight, small beside W.
 from __future__ import annotations
 
 import math
-import os
 from contextlib import contextmanager
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Iterator, Sequence
 
 import torch
@@ -278,9 +276,4 @@ def _numel(t: torch.Tensor) -> int:
     return n
 
 
-def write_adapter(path: str | os.PathLike, adapter: Adapter) -> Path:
-    """Write an adapter folder in peft's format (adapter_config.json, adapter_model.safetensors)."""
-    return adapter.write(path)
-
-
-__all__ = ["LoraWeights", "add_lora", "gather_whole", "hf_name", "import_peft", "write_adapter"]
+__all__ = ["LoraWeights", "add_lora", "gather_whole", "hf_name", "import_peft"]

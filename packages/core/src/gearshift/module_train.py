@@ -36,7 +36,7 @@ from torch import nn
 
 from . import dist as gdist
 from .hf import load_causal_lm, tied_aliases
-from .lora import LoraWeights, add_lora, hf_name, write_adapter
+from .lora import LoraWeights, add_lora, hf_name
 from .mesh import Placement
 from .offload import HostStash
 from .options import option
@@ -94,7 +94,6 @@ class ModuleTrainEngine(TrainEngine):
         torch.manual_seed(args.seed)
         self.hf_model = load_causal_lm(args.model, self.dtype, dropout=args.dropout)
         self.hf_model.config.use_cache = False
-        self.lora_rank = opts.lora_r
         if opts.lora_r:
             add_lora(self.hf_model, r=opts.lora_r, alpha=opts.lora_alpha, dropout=opts.lora_dropout,
                      target_modules=opts.lora_target_modules)
@@ -178,6 +177,10 @@ class ModuleTrainEngine(TrainEngine):
             return {n: self.lora.merged(n, self._local(base[n].detach()),
                                         specs[n].placement.local_box(specs[n].shape, rank)) for n in names}
         return {n: self._local(self._params[n].detach()) for n in names}
+
+    @property
+    def lora_rank(self) -> int:
+        return self.options.lora_r
 
     def export_adapter(self) -> Adapter | None:
         if self.lora is None:
@@ -366,7 +369,7 @@ class ModuleTrainEngine(TrainEngine):
         if rank == 0:
             write_hf_folder(path, self.hf_model, state, self.args.model, value_head=self.args.value_head)
             if adapter is not None:
-                write_adapter(os.path.join(path, "adapter"), adapter)
+                adapter.write(os.path.join(path, "adapter"))
         del state
         gdist.barrier()
 
