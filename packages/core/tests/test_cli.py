@@ -40,3 +40,36 @@ def test_unknown_backend_is_a_clear_error(capsys):
 
 def test_parser_builds():
     assert build_parser().prog == "gearshift"
+
+
+# an environment with only the run install's packages but without one optional module: importing it fails
+WITHOUT = "import sys; sys.modules[{module!r}] = None; from gearshift.cli import main; sys.exit(main(sys.argv[1:]))"
+
+
+def _gearshift_without(module: str, *args: str):
+    import subprocess
+    import sys
+
+    return subprocess.run([sys.executable, "-c", WITHOUT.format(module=module), *args], capture_output=True,
+                          text=True, timeout=300)
+
+
+@pytest.mark.parametrize("command", ["", "train", "backends", "env", "bench", "conformance"])
+def test_every_command_starts_without_pytest(command):
+    run = _gearshift_without("pytest", *([command] if command else []), "--help")
+    assert run.returncode == 0, run.stderr
+    assert "usage: gearshift" in run.stdout
+
+
+def test_a_command_that_needs_a_missing_extra_says_what_to_install():
+    run = _gearshift_without("pytest", "conformance", "--train", "torch")
+    assert run.returncode == 2 and "Traceback" not in run.stderr, run.stderr
+    assert "needs pytest, which is not installed: pip install 'gearshift[conformance]'" in run.stderr
+
+
+def test_env_states_the_backend_contract(capsys):
+    from gearshift import contract
+
+    assert main(["env"]) == 0
+    row = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("backend contract"))
+    assert row.split()[-1] == str(contract.VERSION)

@@ -85,3 +85,28 @@ def test_register_a_backend_from_user_code():
         registry.register("rollout", "hf", Mine)
     with pytest.raises(BackendError, match="must subclass RolloutEngine"):
         registry.register("rollout", "bad", TorchTrainEngine)
+
+
+def test_a_backend_written_for_another_contract_is_refused_naming_both_versions():
+    from gearshift.contract import VERSION
+    from gearshift.rollout import RolloutArgs
+
+    class Ported(HFRolloutEngine):
+        contract = VERSION
+
+    class Older(HFRolloutEngine):
+        contract = VERSION - 1
+
+    registry.register("rollout", "ported-hf", Ported)  # its declared version is this core's
+    with pytest.raises(BackendError, match=rf"written for backend contract {VERSION - 1} .*this gearshift "
+                                           rf"implements contract {VERSION} .*CHANGELOG.md.*Writing a backend"):
+        registry.register("rollout", "older-hf", Older)
+
+    class FirstShape(HFRolloutEngine):  # undeclared, but built the way contract 1 built engines
+        def __init__(self, model, *, dtype="float32", device=None):
+            pass
+
+    with pytest.raises(BackendError, match=r"must take \(args, options\); it takes \(model, dtype, device\), the "
+                                           r"shape of backend contract 1.*CHANGELOG.md"):
+        registry.register("rollout", "first-shape", FirstShape)
+    assert RolloutArgs  # the args every rollout engine is built from today

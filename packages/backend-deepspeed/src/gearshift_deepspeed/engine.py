@@ -42,6 +42,7 @@ class DeepSpeedTrainEngine(ModuleTrainEngine):
 
     requires = ("deepspeed",)
     install = "pip install gearshift-deepspeed"
+    contract = 2
 
     @dataclass(frozen=True)
     class Options(ModuleTrainEngine.Options):

@@ -40,6 +40,7 @@ class FSDPTrainEngine(ModuleTrainEngine):
 
     requires = ("torch",)
     install = "pip install gearshift-fsdp"
+    contract = 2
 
     @dataclass(frozen=True)
     class Options(ModuleTrainEngine.Options):

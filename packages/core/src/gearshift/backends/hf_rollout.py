@@ -21,6 +21,7 @@ from ..weights import WeightBucket, WeightError, WeightSpec
 class HFRolloutEngine(RolloutEngine):
     """Batched sampling with per-token logprobs; weights updated in place, or borrowed from the trainer."""
 
+    contract = 2
     can_share_weights = True
     casts_on_load = True  # `copy_` casts: a float32 trainer's tensors need no bf16 copy on the way
 

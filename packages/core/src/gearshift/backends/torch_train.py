@@ -12,5 +12,7 @@ from ..module_train import ModuleTrainEngine
 class TorchTrainEngine(ModuleTrainEngine):
     """AdamW on one device, one process; micro-batched steps with gradient clipping."""
 
+    contract = 2
+
 
 __all__ = ["TorchTrainEngine"]

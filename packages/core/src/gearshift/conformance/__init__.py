@@ -15,15 +15,28 @@ fixtures:
             return MyEngine.build(gearshift_model)
 
 `gearshift_model` (a tiny fp32 model folder built locally, once per session)
-comes with the pytest plugin this package registers. Expected failures are
+comes with the pytest plugin `gearshift.conformance.plugin`, which a test
+suite asks for itself (`pytest_plugins = ["gearshift.conformance.plugin"]` in
+its root conftest.py, or `pytest -p gearshift.conformance.plugin`): installing
+gearshift changes nothing in anyone else's pytest session. Expected failures are
 declared once, on the backend class (`conformance_xfail = {"rollout": {test:
 reason}}`), and marked xfail (strict) wherever the suite checks that backend,
 in its own tests and under `gearshift conformance` alike.
 """
 
-from .pair import PairSuite
-from .rollout import RolloutEngineSuite
-from .train import TrainEngineSuite
-from .util import reference_logprob_diff, reference_weights
+import importlib
 
-__all__ = ["PairSuite", "RolloutEngineSuite", "TrainEngineSuite", "reference_logprob_diff", "reference_weights"]
+#: public name -> the module of this package that defines it; imported on first use, so that importing
+#: `gearshift.conformance.cli` (the `gearshift conformance` command) needs neither pytest nor torch
+_EXPORTS = {"PairSuite": "pair", "RolloutEngineSuite": "rollout", "TrainEngineSuite": "train",
+            "reference_logprob_diff": "util", "reference_weights": "util"}
+
+__all__ = list(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{_EXPORTS[name]}"), name)
+    globals()[name] = value
+    return value

@@ -18,7 +18,7 @@ def add_conformance_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def conformance_command(args: argparse.Namespace) -> int:
-    import pytest
+    import pytest  # not installed: `gearshift` says to install gearshift[conformance]
 
     if not args.train and not args.rollout:
         raise ValueError("name a backend: --train NAME and/or --rollout NAME (see 'gearshift backends')")
@@ -36,7 +36,8 @@ def conformance_command(args: argparse.Namespace) -> int:
     if args.train and args.rollout:
         classes.append("TestPair")
     options = {"train": json.loads(args.train_options), "rollout": json.loads(args.rollout_options)}
-    argv = ["--pyargs", "gearshift.conformance.by_name", "-k", " or ".join(classes),
+    argv = ["-p", "gearshift.conformance.plugin", "--pyargs", "gearshift.conformance.by_name",
+            "-k", " or ".join(classes),
             "--gearshift-model", args.model, "--gearshift-options", json.dumps(options), "-p", "no:cacheprovider",
             "-q", "-rxXs"]
     if args.train:

@@ -1,15 +1,21 @@
-"""pytest plugin (entry point `pytest11: gearshift`): fixtures, options and markers of the suite.
+"""The suite's pytest plugin, opt-in: fixtures, options and expected failures.
+
+A test suite asks for it: `pytest_plugins = ["gearshift.conformance.plugin"]` in
+its root conftest.py, or `pytest -p gearshift.conformance.plugin`
+(`gearshift conformance` passes it). Installing gearshift registers nothing with
+pytest.
 
 - `gearshift_model`: a tiny fp32 model folder built locally once per session
   (`--gearshift-model PATH|PRESET` picks another).
 - `gearshift_shared_tmp`: a temporary folder that every rank of a torchrun job sees.
 - `gearshift_ray_cluster`: a local Ray cluster of two nodes, started once per session
   (skipped where Ray is not installed).
-- markers `gpu` (skipped without CUDA) and `slow` (skipped unless `--runslow`).
 - expected failures, one way: a backend class declares `conformance_xfail =
   {"rollout"|"train"|"pair": {test name: reason}}`; a suite class names the
   backends it checks (`rollout_backend`, `train_backend`, or by name on the
-  command line) and their entries are marked xfail (strict) there.
+  command line) and their entries are marked xfail (strict) there. A suite class
+  that declares them itself (`expected_failures`, the earlier way, or its own
+  `conformance_xfail`) is refused, so a declared failure is never silently lost.
 """
 
 from __future__ import annotations
@@ -32,28 +38,35 @@ def pytest_addoption(parser):
                     help="log-probability tolerance of the by-name suite (default: the suites' fp32 values)")
     group.addoption("--gearshift-budget", default=None,
                     help="override switch budgets, e.g. k=2,m=3,overhead_s=0.05 (see gearshift/budgets.yaml)")
-    group.addoption("--runslow", action="store_true", default=False, help="run tests marked slow")
-
-
-def pytest_configure(config):
-    config.addinivalue_line("markers", "gpu: needs a CUDA device; skipped without one")
-    config.addinivalue_line("markers", "slow: long-running; skipped unless --runslow")
-    config.addinivalue_line("markers", "conformance: a contract from gearshift.conformance")
 
 
 def pytest_collection_modifyitems(config, items):
-    import torch
-
-    has_gpu = torch.cuda.is_available()
+    for cls in {item.cls for item in items if getattr(item, "cls", None) is not None}:
+        refuse_suite_declared_failures(cls)
     for item in items:
         reasons = expected_failures(config, getattr(item, "cls", None))
         name = getattr(item, "originalname", item.name)
         if name in reasons:
             item.add_marker(pytest.mark.xfail(reason=reasons[name], strict=True))
-        if item.get_closest_marker("gpu") and not has_gpu:
-            item.add_marker(pytest.mark.skip(reason="needs a CUDA device"))
-        if item.get_closest_marker("slow") and not config.getoption("--runslow"):
-            item.add_marker(pytest.mark.skip(reason="slow: run with --runslow"))
+
+
+def refuse_suite_declared_failures(cls) -> None:
+    """A suite class that declares expected failures itself: an error naming the one way to declare them."""
+    for attr in ("expected_failures", "conformance_xfail"):
+        if _is_suite(cls) and hasattr(cls, attr):
+            raise pytest.UsageError(
+                f"{cls.__module__}.{cls.__qualname__}.{attr} is not read: declare expected failures on the "
+                f"backend class, as conformance_xfail = {{'rollout'|'train'|'pair': {{test name: reason}}}}, and "
+                f"name that class on the suite (rollout_backend = ..., train_backend = ...); see the README, "
+                f"'Writing a backend'")
+
+
+def _is_suite(cls) -> bool:
+    from .pair import PairSuite
+    from .rollout import RolloutEngineSuite
+    from .train import TrainEngineSuite
+
+    return issubclass(cls, (PairSuite, RolloutEngineSuite, TrainEngineSuite))
 
 
 def expected_failures(config, cls) -> dict[str, str]:
