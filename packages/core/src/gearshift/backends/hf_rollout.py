@@ -48,6 +48,22 @@ class HFRolloutEngine(RolloutEngine):
         self._asleep: set[str] = set()
         self._borrowed: set[str] = set()  # weights whose storage is the caller's (share_weights)
         self._pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
+        with self._generators():  # the engine's own generators, seeded by args.seed: unseeded sampling draws here
+            torch.manual_seed(args.seed)
+        self._own_rng = self._rng_state()
+
+    def _generators(self):
+        """Fork the host's generators (CPU, and this engine's GPU): what happens inside leaves them as they were."""
+        return torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else [])
+
+    def _rng_state(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        cuda = torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else None
+        return torch.random.get_rng_state(), cuda
+
+    def _set_rng_state(self, state: tuple[torch.Tensor, torch.Tensor | None]) -> None:
+        torch.random.set_rng_state(state[0])
+        if state[1] is not None:
+            torch.cuda.set_rng_state(state[1], self.device)
 
     # --- generation -----------------------------------------------------------------------
     def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams) -> list[Rollout]:
@@ -83,12 +99,16 @@ class HFRolloutEngine(RolloutEngine):
                           top_k=sampling.top_k or None)
         if sampling.stop:
             kwargs.update(stop_strings=list(sampling.stop), tokenizer=self.tokenizer)
-        if sampling.seed is None:  # draw from the process's generator, which moves on
-            result = self.model.generate(**kwargs)
-        else:  # a seeded call repeats exactly and leaves the process's generator where it was
-            with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
+        # the host's generators are left as they were: a seeded call repeats exactly, an unseeded one draws
+        # from the engine's own generators, which move on
+        with self._generators():
+            if sampling.seed is None:
+                self._set_rng_state(self._own_rng)
+            else:
                 torch.manual_seed(sampling.seed)
-                result = self.model.generate(**kwargs)
+            result = self.model.generate(**kwargs)
+            if sampling.seed is None:
+                self._own_rng = self._rng_state()
         new = result.sequences[:, width:].cpu()
         logp = torch.log_softmax(torch.stack(result.logits, dim=1).float(), dim=-1).cpu()
         picked = logp.gather(-1, new[:, :, None]).squeeze(-1)

@@ -49,6 +49,21 @@ class PairSuite:
     logprob_atol: float = 1e-4
 
     @pytest.fixture
+    def train_engine(self):
+        raise NotImplementedError(
+            f"{type(self).__name__} must supply the fixture train_engine: a float32 train engine built from "
+            f"gearshift_model (lr 1e-2 suits the suite), e.g.\n"
+            f"    @pytest.fixture(scope='class')\n    @classmethod\n"
+            f"    def train_engine(cls, gearshift_model):\n        return MyTrainer.build(gearshift_model, lr=1e-2)")
+
+    @pytest.fixture
+    def rollout_engine(self):
+        raise NotImplementedError(
+            f"{type(self).__name__} must supply the fixture rollout_engine: a float32 rollout engine built from "
+            f"gearshift_model, e.g.\n    @pytest.fixture(scope='class')\n    @classmethod\n"
+            f"    def rollout_engine(cls, gearshift_model):\n        return MyEngine.build(gearshift_model)")
+
+    @pytest.fixture
     def actor(self, train_engine, rollout_engine):
         actor = HybridActor(train_engine, rollout_engine)
         yield actor

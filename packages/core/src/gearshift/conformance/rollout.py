@@ -1,18 +1,21 @@
 """Contracts of a `RolloutEngine`.
 
 Fixtures to supply: `rollout_engine` (built from `gearshift_model`, fp32; any
-scope: every test leaves it serving the model's own weights, awake) and, when
-the engine was built from another folder, `gearshift_model`. Set
+scope: every test leaves it serving the model's own weights, awake, whether it
+passes or fails) and, when the engine was built from another folder,
+`gearshift_model`. Set
 `rollout_backend` to the engine's class: its `conformance_xfail["rollout"]`
 marks the tests it is known to fail where it runs.
 """
 
 from __future__ import annotations
 
+import random
+
 import pytest
 import torch
 
-from ..rollout import RolloutError, SamplingParams
+from ..rollout import ROLLOUT_TAGS, RolloutError, SamplingParams
 from ..weights import WeightBucket, WeightError
 from .util import (
     PROMPTS, as_buckets, long_prompts, max_logprob_diff, perturbed, reference_logprob_diff, reference_weights,
@@ -30,8 +33,20 @@ class RolloutEngineSuite:
     logprob_atol: float = 1e-4
 
     @pytest.fixture
+    def rollout_engine(self):
+        raise NotImplementedError(
+            f"{type(self).__name__} must supply the fixture rollout_engine: the engine under test, built from "
+            f"gearshift_model in float32, e.g.\n"
+            f"    @pytest.fixture(scope='class')\n    @classmethod\n"
+            f"    def rollout_engine(cls, gearshift_model):\n        return MyEngine.build(gearshift_model)")
+
+    @pytest.fixture
     def original(self, rollout_engine, gearshift_model):
-        return reference_weights(gearshift_model, rollout_engine.weight_spec())
+        """The model folder's weights; after the test, however it ended, the engine is awake and serves them."""
+        weights = reference_weights(gearshift_model, rollout_engine.weight_spec())
+        yield weights
+        rollout_engine.wake(list(ROLLOUT_TAGS))
+        self._restore(rollout_engine, weights)
 
     @pytest.fixture
     def baseline(self, rollout_engine):
@@ -92,6 +107,25 @@ class RolloutEngineSuite:
         for i in range(len(PROMPTS)):
             samples = {tuple(r.token_ids) for r in first if r.prompt_index == i}
             assert len(samples) > 1, f"the 4 samples of prompt {i} are all the same: each needs its own draw"
+
+    def test_unseeded_sampling_draws_from_the_engines_own_generator(self, rollout_engine):
+        sampling = SamplingParams(n=4, temperature=1.0, max_tokens=6)  # seed=None
+        draws = []
+        for _ in range(2):  # the host's generators in the same state before each call
+            torch.manual_seed(1234)
+            random.seed(1234)
+            host = (torch.random.get_rng_state(), random.getstate(),
+                    torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None)
+            draws.append(rollout_engine.generate(PROMPTS, sampling))
+            assert torch.equal(torch.random.get_rng_state(), host[0]), \
+                "unseeded sampling moved the host's torch generator: draw from the engine's own"
+            assert random.getstate() == host[1], "unseeded sampling moved the host's random module"
+            if host[2] is not None:
+                assert all(torch.equal(a, b) for a, b in zip(torch.cuda.get_rng_state_all(), host[2])), \
+                    "unseeded sampling moved the host's CUDA generators: draw from the engine's own"
+        assert not same_outputs(*draws), (
+            "two unseeded calls from the same host random state gave the same samples: seed=None must draw from "
+            "the engine's own generator (seeded by args.seed), which moves on, never from the host's")
 
     def test_top_k_one_samples_the_greedy_tokens(self, rollout_engine, baseline):
         out = rollout_engine.generate(PROMPTS, SamplingParams(n=2, temperature=1.0, top_k=1, max_tokens=8, seed=4))
@@ -198,10 +232,10 @@ class RolloutEngineSuite:
         stream = iter([WeightBucket({n: changed[n].to(device) for n in first}, 0),
                        WeightBucket({later: changed[later].to(device),
                                      "model.no_such_layer.weight": original[later].to(device)}, 1)])
-        with pytest.raises(WeightError, match="unknown weight") as caught:
-            rollout_engine.update_weights(stream)
-        assert "applied" in str(caught.value), "the error must say how many weights were applied before it"
         try:
+            with pytest.raises(WeightError, match="unknown weight") as caught:
+                rollout_engine.update_weights(stream)
+            assert "applied" in str(caught.value), "the error must say how many weights were applied before it"
             out = rollout_engine.generate(PROMPTS, GREEDY)
             diff = reference_logprob_diff(gearshift_model, out, {**original, **{n: changed[n] for n in first}})
         finally:

@@ -49,6 +49,14 @@ class TrainEngineSuite:
     logprob_atol: float = 1e-5
     lr: float = 1e-2
 
+    @pytest.fixture
+    def train_engine_factory(self):
+        raise NotImplementedError(
+            f"{type(self).__name__} must supply the fixture train_engine_factory: a callable (**options) -> a "
+            f"fresh float32 engine built from gearshift_model, e.g.\n"
+            f"    @pytest.fixture\n    def train_engine_factory(self, gearshift_model):\n"
+            f"        return lambda **kw: MyTrainer.build(gearshift_model, **kw)")
+
     def test_forward_logprobs_match_transformers(self, train_engine_factory, gearshift_model):
         from transformers import AutoModelForCausalLM
 
