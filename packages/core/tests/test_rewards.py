@@ -78,8 +78,11 @@ def test_load_errors_name_the_problem(tmp_path):
     (tmp_path / "broken.py").write_text("import not_a_module_anywhere\n")
     with pytest.raises(RewardError, match="file .*missing.py not found"):
         load_reward(f"{tmp_path}/missing.py:ok")
-    with pytest.raises(RewardError, match="has no function 'nope'; it defines: ok"):
+    with pytest.raises(RewardError, match="has no function 'nope'; it offers: ok$"):
         load_reward(f"{tmp_path}/r.py:nope")
+    # a module that re-exports its rewards (gearshift.rewards) lists what it exports
+    with pytest.raises(RewardError, match="no function 'no_such_fn'; it offers: .*exact_match.*numeric_match"):
+        load_reward("gearshift.rewards:no_such_fn")
     with pytest.raises(RewardError, match="LIMIT is a int, not a function"):
         load_reward(f"{tmp_path}/r.py:LIMIT")
     with pytest.raises(RewardError, match="importing .*broken.py failed: ModuleNotFoundError"):

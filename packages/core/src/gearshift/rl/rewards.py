@@ -95,6 +95,16 @@ def _check_value(name: str, value: Any, completion: str) -> float | None:
     return value
 
 
+def public_functions(module) -> list[str]:
+    """The functions a module offers: those `__all__` names, or else the public ones it defines or imports."""
+    import inspect
+
+    names = getattr(module, "__all__", None)
+    if names is None:
+        names = [k for k in vars(module) if not k.startswith("_")]
+    return sorted(k for k in names if inspect.isfunction(getattr(module, k, None)))
+
+
 def load_reward(spec: Any, **options: Any) -> Reward:
     """A `Reward` from 'module:fn', 'path/to/file.py:fn', a callable, or a {spec: weight} mapping.
 
@@ -116,10 +126,9 @@ def load_reward(spec: Any, **options: Any) -> Reward:
         raise RewardError(f"reward {spec!r} must be 'module:function' or 'path/to/file.py:function'")
     module = _load_file(where, spec) if _is_path(where) else _import(where, spec)
     if not hasattr(module, fn_name):
-        defined = sorted(k for k, v in vars(module).items() if callable(v) and not k.startswith("_")
-                         and getattr(v, "__module__", None) == module.__name__)
+        offered = public_functions(module)
         raise RewardError(f"reward {spec!r}: {where} has no function {fn_name!r}; "
-                          f"it defines: {', '.join(defined) or 'no public functions'}")
+                          f"it offers: {', '.join(offered) or 'no public functions'}")
     fn = getattr(module, fn_name)
     if not callable(fn):
         raise RewardError(f"reward {spec!r}: {fn_name} is a {type(fn).__name__}, not a function")
