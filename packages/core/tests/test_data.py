@@ -4,7 +4,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from gearshift.rl.data import DataError, PromptDataset, Row, read_rows, render_prompt, tokenize_prompts
+from gearshift.rl.data import (
+    DataError, PromptDataset, Row, as_prompt_dataset, read_rows, render_prompt, tokenize_prompts,
+)
 from gearshift.models.tiny import build_tokenizer
 
 CHAT = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "2+2?"}]
@@ -139,3 +141,21 @@ def test_from_config_reads_a_file_or_builds_the_task(tmp_path):
     task = PromptDataset.from_config(SimpleNamespace(path=None, task="add", prompt_key="prompt", seed=3))
     assert len(task) == 4096 and task.rows[0]["prompt"].endswith("=")
     assert isinstance(task.next_batch(1)[0], Row)
+
+
+def test_what_users_hand_over_becomes_a_prompt_dataset(tmp_path):
+    rows = [{"prompt": "1+1=", "answer": "2"}, {"prompt": "2+1=", "answer": "3"}]
+    as_list = as_prompt_dataset(rows)
+    assert [dict(r) for r in as_list.rows] == rows and as_list.rows[1].origin == "row 1"
+    (tmp_path / "d.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert [dict(r) for r in as_prompt_dataset(tmp_path / "d.jsonl").rows] == rows
+    assert as_prompt_dataset(as_list) is as_list
+    datasets = pytest.importorskip("datasets")
+    from_hf = as_prompt_dataset(datasets.Dataset.from_list(rows))
+    assert [dict(r) for r in from_hf.rows] == rows and from_hf.columns == ["answer", "prompt"]
+    with pytest.raises(DataError, match="row 0: no 'prompt' column"):
+        as_prompt_dataset(datasets.Dataset.from_list([{"question": "1+1="}]))
+    with pytest.raises(DataError, match="row 1: each row must be a mapping"):
+        as_prompt_dataset([{"prompt": "x"}, "y"])
+    with pytest.raises(DataError, match="a datasets.Dataset or a list of row mappings"):
+        as_prompt_dataset(42)

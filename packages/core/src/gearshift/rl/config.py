@@ -59,6 +59,9 @@ class DataConfig:
     prompt_key: str = "prompt"
     max_prompt_len: int = 64
     seed: int = 0
+    # a held-out jsonl/parquet set (same columns) the policy is evaluated on every run.eval_every steps and at
+    # the end; None: no evaluation
+    val_path: str | None = None
 
 
 @dataclass
@@ -198,6 +201,8 @@ class RunConfig:
     wandb: bool = False
     wandb_project: str = "gearshift"
     samples_per_step: int = 2  # completions printed each step
+    eval_every: int = 0  # evaluate on data.val_path every this many steps (and after the last); 0: after the last
+    eval_greedy: bool = True  # evaluation decodes greedily (one completion a prompt); false: the rollout sampling
     plot: bool = True
     progress: bool = True
     # colocated: every role on every rank, one process per device (torchrun); split: training and rollout on
@@ -226,9 +231,10 @@ class Config:
 
         return OmegaConf.to_yaml(OmegaConf.structured(self))
 
-    def validate(self, world_size: int = 1, *, reward_given: bool = False) -> "Config":
+    def validate(self, world_size: int = 1, *, reward_given: bool = False, eval_given: bool = False) -> "Config":
         """Raise `ConfigError` listing every problem and what to change (`reward_given`: a reward function
-        comes with the run, so `reward.fn` may stay unset)."""
+        comes with the run, so `reward.fn` may stay unset; `eval_given`: so does a held-out set, so
+        `data.val_path` may)."""
         from ..mesh import MeshError, MeshSpec
         from ..options import DTYPES
         from ..rollout import RolloutError, SamplingParams
@@ -321,6 +327,11 @@ class Config:
                     problems.append(f"{key}: {err}")
         if run.steps < 1:
             problems.append(f"run.steps={run.steps} must be >= 1")
+        if run.eval_every < 0:
+            problems.append(f"run.eval_every={run.eval_every} must be >= 0 (0: evaluate after the last step only)")
+        if run.eval_every and not self.data.val_path and not eval_given:
+            problems.append(f"run.eval_every={run.eval_every} needs a held-out set: set data.val_path to a "
+                            f"jsonl/parquet file (or pass eval_dataset= to Trainer)")
         problems += self._lora_and_reward_model_problems()
         problems += self._options_problems()
         problems += self._placement_problems()
@@ -379,6 +390,9 @@ class Config:
             return [f"run.placement={run.placement!r}: use colocated or split"]
         if a.off_policy_steps < 0:
             problems.append(f"algorithm.off_policy_steps={a.off_policy_steps} must be >= 0 (0: on-policy)")
+        if run.placement == "split" and (self.data.val_path or run.eval_every):
+            problems.append("data.val_path / run.eval_every: held-out evaluation runs with run.placement=colocated; "
+                            "drop them for a split run")
         if run.placement == "colocated":
             if a.off_policy_steps:
                 problems.append(f"algorithm.off_policy_steps={a.off_policy_steps} needs run.placement=split: "

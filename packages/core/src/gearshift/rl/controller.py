@@ -38,16 +38,17 @@ def _mean(xs: list[float]) -> float:
 class Controller:
     """Builds the engines a config names and runs its steps."""
 
-    def __init__(self, config: Config, reward_fn: RewardFn | None = None, dataset=None) -> None:
+    def __init__(self, config: Config, reward_fn: RewardFn | None = None, dataset=None, eval_dataset=None) -> None:
         from transformers import AutoTokenizer
 
         from ..models import resolve_model
-        from .data import PromptDataset
+        from .data import PromptDataset, as_prompt_dataset
         from .rewards import load_reward
 
         gdist.init()
         self.rank, self.world = gdist.rank(), gdist.world_size()
-        self.config = config.validate(self.world, reward_given=reward_fn is not None)
+        self.config = config.validate(self.world, reward_given=reward_fn is not None,
+                                      eval_given=eval_dataset is not None)
         cfg = self.config
         # every backend is found before anything is built: a missing or ambiguous one fails first
         for kind, name in (("train", cfg.train.backend), ("rollout", cfg.rollout.backend),
@@ -65,10 +66,17 @@ class Controller:
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
         rule = reward_fn or cfg.reward.rule(cfg.data)  # none when a reward model alone scores
         reward = load_reward(rule) if rule else None
-        self.data = dataset if dataset is not None else PromptDataset.from_config(cfg.data)
-        if reward is not None:
-            reward.check_columns(self.data.columns)  # a missing column fails now, not after a rollout
-        self.data.bind(self.tokenizer, max_prompt_len=cfg.data.max_prompt_len)
+        key = cfg.data.prompt_key
+        self.data = (as_prompt_dataset(dataset, prompt_key=key, seed=cfg.data.seed) if dataset is not None
+                     else PromptDataset.from_config(cfg.data))
+        given_val = eval_dataset if eval_dataset is not None else cfg.data.val_path
+        #: the held-out rows evaluated every `run.eval_every` steps and after the last (None: no evaluation)
+        self.val_data = as_prompt_dataset(given_val, prompt_key=key, shuffle=False) if given_val is not None else None
+        for data in filter(None, (self.data, self.val_data)):
+            if reward is not None:
+                reward.check_columns(data.columns)  # a missing column fails now, not after a rollout
+            data.bind(self.tokenizer, max_prompt_len=cfg.data.max_prompt_len)
+        self.plot_path: Path | None = None  # the reward curve, once drawn
         self.policy = build_policy(cfg, self.model_path)
         self.scorer = Scorer(cfg, self.tokenizer, reward, self._reward_model() if cfg.reward.model else None)
         rollout = build_rollout(cfg, self.model_path)
@@ -156,9 +164,38 @@ class Controller:
         metrics = gdist.average_metrics(metrics)
         metrics["time/step"] = time.perf_counter() - step_start
         self.step += 1
+        if self._eval_due():
+            metrics.update(self.evaluate())
         self.samples = [(self.tokenizer.decode(x.prompt_ids, skip_special_tokens=True), x.text or "", rw)
                         for x, rw in zip(kept[: cfg.run.samples_per_step], rewards)]
         return metrics
+
+    # --- held-out evaluation --------------------------------------------------------------
+    def _eval_due(self) -> bool:
+        every, last = self.config.run.eval_every, self.config.run.steps
+        return self.val_data is not None and ((every and self.step % every == 0) or self.step == last)
+
+    def evaluate(self) -> dict[str, float]:
+        """The current policy's reward on the held-out rows (each rank its share): greedy, one completion a
+        prompt, unless `run.eval_greedy` is false (then the rollout section's sampling)."""
+        from ..rollout import SamplingParams
+
+        cfg, start = self.config, time.perf_counter()
+        rows = self.val_data.all_rows()[self.rank::self.world]
+        sampling = (SamplingParams(n=1, temperature=0.0, max_tokens=cfg.rollout.max_tokens, stop=tuple(cfg.rollout.stop))
+                    if cfg.run.eval_greedy else cfg.sampling(seed=cfg.run.seed * 7919 + self.step))
+        self.actor.to_rollout()
+        try:  # a rank with no held-out rows still switches: the switch is collective
+            rollouts = self.actor.generate([r["prompt_ids"] for r in rows], sampling) if rows else []
+        finally:
+            self.actor.to_train()
+        kept, rewards = self.scorer.score(rollouts, rows)
+        out = {"eval/reward_mean": _mean(rewards), "eval/response_len": _mean([len(x.token_ids) for x in rollouts]),
+               "eval/dropped": float(len(rollouts) - len(kept))}
+        out = gdist.average_metrics(out)
+        out["eval/samples"] = float(len(self.val_data) * (1 if cfg.run.eval_greedy else cfg.rollout.n))
+        out["time/eval"] = time.perf_counter() - start
+        return out
 
     # --- the whole run --------------------------------------------------------------------
     def fit(self) -> list[dict[str, Any]]:
@@ -185,8 +222,8 @@ class Controller:
         finally:
             bar.close()
             self.logger.close()
-        if self.rank == 0 and cfg.plot:
-            plot_rewards(self.logger.path, self.out / "reward.png")
+        if self.rank == 0 and cfg.plot and plot_rewards(self.logger.path, self.out / "reward.png"):
+            self.plot_path = self.out / "reward.png"
         return history
 
     def export(self, path: str | Path) -> None:

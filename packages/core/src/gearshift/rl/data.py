@@ -113,6 +113,27 @@ def _read_parquet(path: Path) -> list[Row]:
     return [Row(row, f"{path}: row {i}") for i, row in enumerate(table.to_pylist(), start=1)]
 
 
+def as_prompt_dataset(source: Any, *, prompt_key: str = "prompt", seed: int = 0,
+                      shuffle: bool = True) -> "PromptDataset":
+    """A `PromptDataset` from what users hand over: one already, a jsonl/parquet path, a Hugging Face
+    `datasets.Dataset`, or any sequence of row mappings (a list of dicts, a pandas frame's records)."""
+    if isinstance(source, PromptDataset):
+        return source
+    if isinstance(source, (str, Path)):
+        return PromptDataset.from_file(source, prompt_key=prompt_key, seed=seed, shuffle=shuffle)
+    if hasattr(source, "column_names") and hasattr(source, "to_list"):  # datasets.Dataset
+        rows = source.to_list()
+    elif isinstance(source, Sequence) and not isinstance(source, (bytes, Mapping)):
+        rows = list(source)
+    else:
+        raise DataError(f"a dataset is a jsonl/parquet path, a datasets.Dataset or a list of row mappings "
+                        f"(each with a {prompt_key!r} column), got {type(source).__name__}")
+    for i, row in enumerate(rows):
+        if not isinstance(row, Mapping):
+            raise DataError(f"row {i}: each row must be a mapping of column -> value, got {type(row).__name__}")
+    return PromptDataset(rows, prompt_key=prompt_key, seed=seed, shuffle=shuffle)
+
+
 def render_prompt(prompt: str | Sequence[Mapping[str, str]], tokenizer, origin: str = "prompt") -> str:
     """The prompt as text: a string as is, chat messages through the tokenizer's chat template."""
     if isinstance(prompt, str):
@@ -192,6 +213,10 @@ class PromptDataset:
 
     def __len__(self) -> int:
         return len(self.rows)
+
+    def all_rows(self) -> list[Row]:
+        """Every row in file order (copies, with "prompt_ids" once bound): a held-out set is read whole."""
+        return [self._serve(i) for i in range(len(self.rows))]
 
     @property
     def columns(self) -> list[str]:

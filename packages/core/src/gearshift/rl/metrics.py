@@ -80,20 +80,27 @@ class MetricsLogger:
             self._wandb.finish()
 
 
-def plot_rewards(metrics_path: str | os.PathLike, png_path: str | os.PathLike, key: str = "reward/mean") -> bool:
-    """Draw `key` against the step to a PNG; False when matplotlib is missing or nothing was logged."""
+def plot_rewards(metrics_path: str | os.PathLike, png_path: str | os.PathLike,
+                 keys: tuple[str, ...] = ("reward/mean", "eval/reward_mean")) -> bool:
+    """Draw each of `keys` that was logged against the step to one PNG (the training reward, and the held-out
+    one where a run evaluated); False when matplotlib is missing or none was logged."""
     plt = pyplot()
     if plt is None:
         return False
-    rows = [r for r in read_jsonl(metrics_path) if key in r]
-    if not rows:
+    logged = read_jsonl(metrics_path)
+    series = {k: [r for r in logged if k in r] for k in keys}
+    series = {k: rows for k, rows in series.items() if rows}
+    if not series:
         return False
     fig, ax = plt.subplots(figsize=(6, 3.5))
-    ax.plot([r["step"] for r in rows], [r[key] for r in rows], marker=".")
+    for key, rows in series.items():
+        ax.plot([r["step"] for r in rows], [r[key] for r in rows], marker="." if len(rows) > 20 else "o", label=key)
     ax.set_xlabel("step")
-    ax.set_ylabel(key)
-    ax.set_title(f"{key} per step")
+    ax.set_ylabel("reward")
+    ax.set_title("reward per step")
     ax.grid(alpha=0.3)
+    if len(series) > 1:
+        ax.legend()
     fig.tight_layout()
     fig.savefig(png_path, dpi=100)
     plt.close(fig)

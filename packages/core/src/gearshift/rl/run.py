@@ -8,10 +8,10 @@
 from __future__ import annotations
 
 import argparse
+import os
 from typing import Any, Callable, Mapping
 
-
-from .config import Config, build_config, load_config
+from .config import Config, ConfigError, build_config, load_config
 
 
 class Trainer:
@@ -21,12 +21,15 @@ class Trainer:
     (`{"path": ..., "lora": {"r": 8}}`); `reward` is a callable
     `(completion, **row) -> float | None`, its name ('module:fn', 'file.py:fn'),
     or the whole reward section (`{"model": "path/to/rm", "weights": [1, 0.5]}`);
-    `dataset` a jsonl/parquet path or a `PromptDataset`; `sections` override
-    config sections, e.g. `algorithm={"name": "ppo"}, run={"steps": 100}`.
+    `dataset` a jsonl/parquet path, a `datasets.Dataset`, a list of row mappings
+    (each with a prompt column) or a `PromptDataset`; `eval_dataset` the same for
+    a held-out set, evaluated every `run.eval_every` steps and at the end;
+    `sections` override config sections, e.g. `algorithm={"name": "ppo"}, run={"steps": 100}`.
     """
 
     def __init__(self, model: str | Mapping | None = None, reward: str | Callable | Mapping | None = None,
-                 dataset: Any = None, config: Config | None = None, **sections: dict) -> None:
+                 dataset: Any = None, config: Config | None = None, eval_dataset: Any = None,
+                 **sections: dict) -> None:
         extra: dict = {k: dict(v) for k, v in sections.items()}
         if isinstance(model, Mapping):
             extra.setdefault("model", {}).update(model)
@@ -36,11 +39,13 @@ class Trainer:
             extra.setdefault("reward", {}).update(reward)
         elif isinstance(reward, str):
             extra.setdefault("reward", {})["fn"] = reward
-        if isinstance(dataset, str):
-            extra.setdefault("data", {})["path"] = dataset
+        for key, given in (("path", dataset), ("val_path", eval_dataset)):
+            if isinstance(given, (str, os.PathLike)):
+                extra.setdefault("data", {})[key] = str(given)
         self.config = build_config(config, extra)
         self._reward = reward if callable(reward) else None
-        self._dataset = None if isinstance(dataset, str) else dataset
+        self._dataset = None if isinstance(dataset, (str, os.PathLike)) else dataset
+        self._eval_dataset = None if isinstance(eval_dataset, (str, os.PathLike)) else eval_dataset
         self.controller = None
 
     def train(self) -> list[dict]:
@@ -50,7 +55,10 @@ class Trainer:
         else:
             from .controller import Controller
 
-        self.controller = Controller(self.config, reward_fn=self._reward, dataset=self._dataset)
+        if self._eval_dataset is not None and self.config.run.placement == "split":
+            raise ConfigError("eval_dataset: held-out evaluation runs with run.placement=colocated")
+        extra = {"eval_dataset": self._eval_dataset} if self._eval_dataset is not None else {}
+        self.controller = Controller(self.config, reward_fn=self._reward, dataset=self._dataset, **extra)
         return self.controller.fit()
 
     def save(self, path: str) -> None:
@@ -60,11 +68,36 @@ class Trainer:
         self.controller.export(path)
 
 
+def check_config(cfg: Config) -> str:
+    """Everything about a run that can be checked without building it: the config's values over this world,
+    the backends installed, the model a folder or known preset, the data files present. Raises on a problem."""
+    from .. import registry
+    from ..models import known_model, unknown_model
+
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    cfg.validate(world, reward_given=False)
+    for kind, name in (("train", cfg.train.backend), ("rollout", cfg.rollout.backend), ("reshard", cfg.resharder())):
+        registry.load(kind, name)
+    for key, model in (("model.path", cfg.model.path), ("reward.model", cfg.reward.model)):
+        if model and not known_model(model):
+            raise ConfigError(f"{key}: {unknown_model(model)}")
+    for key, path in (("data.path", cfg.data.path), ("data.val_path", cfg.data.val_path)):
+        if path and not os.path.isfile(path):
+            raise ConfigError(f"{key}={path!r}: no such file")
+    pools = cfg.run.pools
+    where = (f"split over {pools.train} train and {pools.rollout} rollout workers" if cfg.run.placement == "split"
+             else f"colocated on {world} rank{'s' if world > 1 else ''}")
+    return (f"gearshift train: the configuration can run: {cfg.algorithm.name} with {cfg.rollout.backend} rollout "
+            f"and {cfg.train.backend} training, {where}, model {cfg.model.path}")
+
+
 def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("config", nargs="?", help="YAML config file (optional; defaults train the built-in task)")
     parser.add_argument("overrides", nargs="*", metavar="key=value",
                         help="dotted overrides, e.g. algorithm.name=ppo rollout.backend=vllm run.steps=100")
     parser.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
+    parser.add_argument("--check", action="store_true",
+                        help="check that the config can run (keys, values, backends, model, data) and exit")
     parser.add_argument("--export", metavar="DIR", help="write the final policy as a Hugging Face folder")
 
 
@@ -76,13 +109,17 @@ def train_command(args: argparse.Namespace) -> int:
     if args.print_config:
         print(cfg.to_yaml())
         return 0
+    if args.check:
+        print(check_config(cfg))
+        return 0
     trainer = Trainer(config=cfg)
     history = trainer.train()
     controller = trainer.controller
     if controller.rank == 0 and history:
         first, last = history[0], history[-1]
         print(f"reward/mean: first step {first['reward/mean']:.3f}, last step {last['reward/mean']:.3f}")
-        print(f"metrics: {controller.logger.path}; reward curve: {controller.out / 'reward.png'}")
+        plot = f"; reward curve: {controller.plot_path}" if controller.plot_path else ""
+        print(f"metrics: {controller.logger.path}{plot}")
     if args.export:
         trainer.save(args.export)
         if controller.rank == 0:

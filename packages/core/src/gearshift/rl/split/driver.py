@@ -76,7 +76,7 @@ class SplitController:
         from transformers import AutoTokenizer
 
         from ...models import resolve_model
-        from ..data import PromptDataset
+        from ..data import PromptDataset, as_prompt_dataset
         from ..rewards import load_reward
 
         self.rank, self.world = 0, 1  # the driver is one process outside both pools
@@ -93,11 +93,13 @@ class SplitController:
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
         rule = reward_fn or cfg.reward.rule(cfg.data)
         self.scorer = Scorer(cfg, self.tokenizer, load_reward(rule) if rule else None)
-        self.data = dataset if dataset is not None else PromptDataset.from_config(cfg.data)
+        self.data = (as_prompt_dataset(dataset, prompt_key=cfg.data.prompt_key, seed=cfg.data.seed)
+                     if dataset is not None else PromptDataset.from_config(cfg.data))
         if self.scorer.reward_fn is not None:
             self.scorer.reward_fn.check_columns(self.data.columns)
         self.data.bind(self.tokenizer, max_prompt_len=cfg.data.max_prompt_len)
         self.reward_model_path = resolve_model(cfg.reward.model) if cfg.reward.model else None
+        self.plot_path: Path | None = None  # the reward curve, once drawn
         self.step = 0
         self.version = 0  # updates the rollout pool's weights have had (the last sync queued)
         self.samples: list[tuple[str, str, float]] = []
@@ -326,8 +328,8 @@ class SplitController:
         finally:
             bar.close()
             self.logger.close()
-        if run.plot:
-            plot_rewards(self.logger.path, self.out / "reward.png")
+        if run.plot and plot_rewards(self.logger.path, self.out / "reward.png"):
+            self.plot_path = self.out / "reward.png"
         return history
 
     def _dead(self, timeout_s: float = 10.0) -> list[str]:
