@@ -18,7 +18,8 @@ from gearshift_fsdp.placement import HybridShard
 
 
 def build(model, **options):
-    return FSDPTrainEngine.build(model, **{"lr": 1e-2, "param_dtype": "float32", **options})
+    # the tests read the last step's gradients, which the engine otherwise frees after its optimizer step
+    return FSDPTrainEngine.build(model, **{"lr": 1e-2, "param_dtype": "float32", "keep_grads": True, **options})
 
 
 def trained(engine, steps: int = 2):

@@ -50,7 +50,7 @@ def rl_batch(seed=0) -> TrainBatch:
 
 
 def step(model, loss_fn, batch, **args):
-    engine = TorchTrainEngine.build(model, lr=1e-3, max_grad_norm=None, **args)
+    engine = TorchTrainEngine.build(model, lr=1e-3, max_grad_norm=None, keep_grads=True, **args)
     metrics = engine.train_step(batch, loss_fn)
     grads = {n: p.grad.clone() for n, p in engine.model.named_parameters()}
     return metrics, grads
@@ -107,7 +107,8 @@ TWO_RANKS = textwrap.dedent("""
     loss_fn = make_policy_loss_fn("ppo_clip")
     results = {}
     for name, args in (("whole", {}), ("packed", {"max_tokens_per_micro_batch": 30})):
-        engine = FSDPTrainEngine.build(os.environ["MODEL"], lr=1e-3, max_grad_norm=None, param_dtype="float32", **args)
+        engine = FSDPTrainEngine.build(os.environ["MODEL"], lr=1e-3, max_grad_norm=None, param_dtype="float32",
+                                       keep_grads=True, **args)
         metrics = engine.train_step(batch, loss_fn)
         grads = [p.grad.to_local().clone() for p in engine.model.parameters()]
         results[name] = (metrics, grads)

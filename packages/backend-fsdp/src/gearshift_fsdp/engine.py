@@ -60,6 +60,7 @@ class FSDPTrainEngine(ModuleTrainEngine):
         device = torch.device(options.device) if options.device else gdist.default_device()
         self.replicate = int(options.replicate)
         self.param_dtype = parse_dtype(options.param_dtype) if options.param_dtype else default_param_dtype(device)
+        self.compute_dtype = self.param_dtype or args.torch_dtype
         self.reduce_dtype = parse_dtype(options.reduce_dtype)
         super().__init__(args, options)
 

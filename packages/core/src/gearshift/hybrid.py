@@ -7,11 +7,15 @@ sleep, bring the training state back. Every phase lands in a `SwitchReport`.
 
 Memory decides what moves (`offload="auto"`, the default; memory.py): on a
 GPU, train state leaves the device only when the rollout engine's memory does
-not fit beside it, largest first, and the rollout engine is put to sleep only
-when training does not fit beside it (measured on the step before); host
-buffers for what will move are allocated at start. Given tags, `offload`
-always moves exactly those. On a CPU the train state is in host memory
-already, and the rollout engine always sleeps.
+not fit beside it, largest first (the weights only after the sync has read
+them), and the rollout engine is put to sleep only when training does not fit
+beside it (measured on the step before); host buffers for what will move are
+allocated at start. Before the rollout engine maps memory, torch's cached,
+unused blocks go back to the driver: an engine with an allocator of its own
+(vLLM's sleep mode, SGLang's memory saver) cannot use them, so the plan counts
+only memory really free. Given tags, `offload` always moves exactly those (and
+their host buffers are allocated at start). On a CPU the train state is in host
+memory already, and the rollout engine always sleeps.
 
 When the plan lets the rollout engine serve from the trainer's own tensors
 (`ReshardPlan.share`), its weights are not woken (they need no memory of their
@@ -25,7 +29,7 @@ from typing import Sequence
 import torch
 
 from . import dist as gdist
-from .memory import MARGIN, GiB, device_free, plan_offload
+from .memory import MARGIN, GiB, device_free, plan_offload, release_cached
 from .profiler import PhaseTimer, SwitchReport
 from .reshard import Resharder, StreamingResharder
 from .rollout import RolloutEngine, Rollout, SamplingParams
@@ -73,35 +77,58 @@ class HybridActor:
         self.rollout.sleep(["kv_cache", "weights"])
         self.rollout_awake = False
         self._train_peak: int | None = None  # device bytes the last training phase took beyond its state
-        if self.auto and self.on_gpu:
-            self._reserve_host()
+        #: host bytes allocated at start for what the switches will move (0: nothing will move, or unknown)
+        self.host_reserved = self._reserve_host() if self.on_gpu else 0
 
-    def _plan_tags(self, report: SwitchReport) -> tuple[str, ...]:
-        """What to offload on the way to rollout: the given tags, or what memory asks for."""
+    def _plan_tags(self, report: SwitchReport) -> tuple[tuple[str, ...], tuple[str, ...]]:
+        """What to offload on the way to rollout, before the sync and after it: the given tags, or what memory
+        asks for (the weights, which the sync reads, only after it)."""
         if not self.auto:
-            return self.offload_tags
+            return tuple(t for t in self.offload_tags if t != "params"), ("params",) * ("params" in self.offload_tags)
         if not self.on_gpu:
             report.notes.append("offload: none (the train state is in host memory already)")
-            return ()
-        sizes = getattr(self.train, "state_bytes", dict)()
+            return (), ()
+        sizes = self.train.state_bytes()
         if self.rollout_need is None or not sizes:
             report.notes.append("offload: optimizer, grads (the engines report no sizes to plan with)")
-            return ("optimizer", "grads")
+            return ("optimizer", "grads"), ()
         if self.rollout_awake:
             report.notes.append("offload: none (the rollout engine stayed awake beside training)")
-            return ()
-        plan = plan_offload(self.rollout_need, device_free(self.train.device), sizes)
+            return (), ()
+        plan = self._offload_plan(sizes)
         report.notes.append(f"offload: {plan.note}")
-        return plan.tags
+        return tuple(t for t in plan.tags if t != "params"), ("params",) * ("params" in plan.tags)
 
-    def _reserve_host(self) -> None:
-        """Allocate (and pin) at start the host buffers the first switch would otherwise allocate."""
-        sizes = getattr(self.train, "state_bytes", dict)()
-        if self.rollout_need is None or not sizes or not hasattr(self.train, "reserve_host"):
-            return
-        plan = plan_offload(self.rollout_need, device_free(self.train.device), sizes)
-        if plan.tags:
-            self.train.reserve_host(plan.tags)
+    def _offload_plan(self, sizes: dict[str, int]):
+        # torch's cached blocks go back to the driver before the rollout engine wakes: count them as free here,
+        # and check what really is once they have (`_make_room`)
+        return plan_offload(self.rollout_need, device_free(self.train.device), sizes)
+
+    def _make_room(self, report: SwitchReport, moved: tuple[str, ...]) -> tuple[str, ...]:
+        """After torch's cache went back: if the rollout engine still does not fit in what the driver has free
+        (blocks torch could not give back), move the state left, largest first; returns the tags moved."""
+        need, free = self.rollout_need, device_free(self.train.device, cached=False)
+        if need is None or free >= need * MARGIN:
+            return ()
+        sizes = {t: n for t, n in self.train.state_bytes().items() if t not in moved and t != "params" and n}
+        more = plan_offload(need, free, sizes).tags
+        report.notes.append(f"offload: {free / GiB:.1f} GiB free once torch's cache went back, the rollout engine "
+                            f"needs {need / GiB:.1f} GiB: moved {list(more) or 'nothing more'} as well")
+        return more
+
+    def _reserve_host(self) -> int:
+        """Allocate (and pin) at start the host buffers of whatever a switch may move: the given tags, or what
+        the memory plan moves beside the awake rollout engine (the state as it will be after the first step)."""
+        if self.auto:
+            sizes = self.train.state_bytes()
+            if not sizes or self.rollout_need is None:
+                return 0
+            # state not allocated yet (an optimizer's moments before the first step) will take memory then
+            pending = max(sum(sizes.values()) - torch.cuda.memory_allocated(self.train.device), 0)
+            tags = plan_offload(self.rollout_need, device_free(self.train.device) - pending, sizes).tags
+        else:
+            tags = self.offload_tags + (("params",) if self.offload_params else ())
+        return self.train.reserve_host(tags) if tags else 0
 
     def to_rollout(self) -> SwitchReport:
         """Make the rollout engine serve the train engine's current weights."""
@@ -111,18 +138,36 @@ class HybridActor:
         timer = PhaseTimer(self.train.device, "to_rollout")
         if self.on_gpu and self._train_peak is None and self.reports:
             self._train_peak = max(torch.cuda.max_memory_allocated(self.train.device) - self._train_base, 0)
-        tags = self._plan_tags(timer.report)
-        self._offloaded, self._offloaded_bytes = tags, 0
-        if tags:
+        before, after = self._plan_tags(timer.report)
+        if self.offload_params:
+            after = ("params",)
+        self._offloaded_bytes = 0
+        if before:
             with timer.phase("offload") as ph:
-                ph.bytes = self._offloaded_bytes = self.train.offload(tags)
+                ph.bytes = self._offloaded_bytes = self.train.offload(before)
+        if self.on_gpu and not self.rollout_awake:
+            # what training freed (offloaded state, activations) sits in torch's cache, which an engine with an
+            # allocator of its own cannot use: give it back to the driver before the rollout engine maps memory
+            with timer.phase("release_cache") as ph:
+                ph.bytes = release_cached(self.train.device)
+            more = self._make_room(timer.report, before) if self.auto else ()
+            if more:
+                with timer.phase("offload_more") as ph:
+                    ph.bytes = self.train.offload(more)
+                    self._offloaded_bytes += ph.bytes
+                    ph.bytes += release_cached(self.train.device)
+                before += more
+        self._offloaded = before + after
         if not self.plan.share and not self.rollout_awake:
             with timer.phase("wake_weights"):
                 self.rollout.wake(["weights"])
         self.resharder.sync(self.plan, self.train, self.rollout, timer)
-        if self.offload_params:
+        if after:
             with timer.phase("offload_params") as ph:
-                ph.bytes = self.train.offload(["params"])
+                ph.bytes = self.train.offload(after)
+                self._offloaded_bytes += ph.bytes
+                if self.on_gpu and not self.rollout_awake:
+                    release_cached(self.train.device)
         if not self.rollout_awake:
             with timer.phase("wake_kv_cache"):
                 self.rollout.wake(["kv_cache"])
@@ -138,7 +183,7 @@ class HybridActor:
             raise ModeError("the actor is already in train mode")
         gdist.heartbeat()
         timer = PhaseTimer(self.train.device, "to_train")
-        tags = tuple(getattr(self, "_offloaded", self.offload_tags)) + (("params",) if self.offload_params else ())
+        tags = tuple(getattr(self, "_offloaded", ()))
         self.rollout_awake = self._keep_rollout_awake(timer.report)
         if not self.rollout_awake:
             with timer.phase("sleep"):

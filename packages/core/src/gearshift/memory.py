@@ -16,10 +16,54 @@ GiB = 2**30
 MARGIN = 1.1  # room left beyond what is asked for: allocators round, kernels take workspaces
 
 
-def device_free(device: torch.device) -> int:
-    """Bytes a new allocation can take on `device`: free device memory plus torch's cached, unused blocks."""
+class MemoryPlanError(RuntimeError):
+    """A run that cannot fit in device memory, found before it runs out; the message names what to change."""
+
+
+def device_free(device: torch.device, *, cached: bool = True) -> int:
+    """Bytes a new allocation can take on `device`: free device memory, plus (`cached`) the blocks torch's
+    caching allocator holds unused. Only torch's own allocations can reuse those: an engine that maps memory
+    through an allocator of its own (vLLM's sleep mode, SGLang's memory saver) gets `cached=False` only."""
     free, _ = torch.cuda.mem_get_info(device)
+    if not cached:
+        return int(free)
     return int(free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device))
+
+
+def release_cached(device: torch.device) -> int:
+    """Give torch's cached, unused device blocks back to the driver (so that an engine with an allocator of
+    its own can map them); returns the bytes released."""
+    before = torch.cuda.memory_reserved(device)
+    torch.cuda.empty_cache()
+    return max(int(before - torch.cuda.memory_reserved(device)), 0)
+
+
+def activation_bytes_per_token(config, *, training: bool, checkpointing: bool = False,
+                               compute_itemsize: int = 2) -> int:
+    """Device bytes one token of a micro-batch takes at its peak in a decoder LM's forward (and backward).
+
+    Counted per layer from the tensors autograd keeps (norm inputs and outputs, q/k/v and their rotated
+    copies, attention output, the MLP's gate, up, activation and product) at the compute dtype, with
+    attention kernels that keep no sequence-squared matrix; plus the output head's logits and the float32
+    log-softmax (and entropy) over the vocabulary that the loss takes. With checkpointing, a layer keeps only
+    its input and one layer is recomputed at a time. Without a graph (`training=False`), one layer's tensors
+    and the logits are alive at once. An estimate, sized to be above what such a model takes.
+    """
+    h = int(config.hidden_size)
+    layers = int(config.num_hidden_layers)
+    vocab = int(config.vocab_size)
+    ffn = int(getattr(config, "intermediate_size", None) or 4 * h)
+    heads = int(getattr(config, "num_attention_heads", 1) or 1)
+    head_dim = int(getattr(config, "head_dim", None) or h // heads)
+    kv = 2 * int(getattr(config, "num_key_value_heads", None) or heads) * head_dim
+    c = compute_itemsize
+    per_layer = c * (12 * h + 3 * kv + 5 * ffn) + 4 * 2 * h  # the norms keep a float32 copy of their input
+    # the head's logits, their float32 copy, the log-softmax and entropy kept for backward, and their gradients
+    logits = c * vocab + 4 * vocab * (5 if training else 4)
+    if not training:
+        return per_layer + logits
+    kept = c * h * layers if checkpointing else per_layer * layers
+    return kept + (per_layer if checkpointing else 0) + logits
 
 
 @dataclass

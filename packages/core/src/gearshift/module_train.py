@@ -84,6 +84,8 @@ class ModuleTrainEngine(TrainEngine):
         lora_dropout: float = option(0.0, "dropout on the adapters' input while training")
         lora_target_modules: tuple[str, ...] = option(("all-linear",), "layers that get an adapter: names or "
                                                                        "suffixes (q_proj, v_proj), or all-linear")
+        keep_grads: bool = option(False, "keep the last step's gradients after the optimizer step (they are freed "
+                                         "otherwise, leaving their memory to the rollout engine)")
 
     def __init__(self, args: TrainArgs, options=None) -> None:
         super().__init__(args, options)
@@ -116,6 +118,9 @@ class ModuleTrainEngine(TrainEngine):
             ParamSpec(n, self._full_shape(n, p), p.dtype, self._placement(n, p)) for n, p in exported.items()
         ), {a: t for a, t in aliases.items() if t in exported})
         self._stashes = {tag: HostStash() for tag in TRAIN_TAGS}  # kept: their host buffers are reused
+        self._local_views: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # name -> (storage owner, its view)
+        #: the dtype forward and backward compute in (a sharding backend may compute below its master dtype)
+        self.compute_dtype = getattr(self, "compute_dtype", None) or self.dtype
 
     # --- hooks ----------------------------------------------------------------------------
     def _check_mesh(self) -> None:
@@ -169,14 +174,27 @@ class ModuleTrainEngine(TrainEngine):
     def weight_spec(self) -> WeightSpec:
         return self._spec
 
+    @torch.no_grad()
     def local_weights(self, names: list[str]) -> dict[str, torch.Tensor]:
         self._need_onloaded(["params"], "export weights")
         if self.lora is not None:  # each adapter merged into this rank's slice of its weight
             base, rank = self.lora.base_parameters(), gdist.rank()
             specs = self._spec.by_name()
-            return {n: self.lora.merged(n, self._local(base[n].detach()),
-                                        specs[n].placement.local_box(specs[n].shape, rank)) for n in names}
-        return {n: self._local(self._params[n].detach()) for n in names}
+            return {n: self.lora.merged(n, self._local(base[n]), specs[n].placement.local_box(specs[n].shape, rank))
+                    for n in names}
+        if not self.can_lend_weights:  # gathered per export (ZeRO-3): a view kept would keep the gathered storage
+            return {n: self._local(self._params[n]).detach() for n in names}
+        # every sync reads every weight: each one's view is made once and kept while it still is the parameter's
+        # storage (the check is an identity and a pointer, no dispatch through a DTensor per weight)
+        cache, params, out = self._local_views, self._params, {}
+        for n in names:
+            p = params[n]
+            inner = getattr(p, "_local_tensor", p)  # a DTensor's shard, or the parameter itself
+            hit = cache.get(n)
+            if hit is None or hit[0] is not inner or hit[1].data_ptr() != inner.data_ptr():
+                hit = cache[n] = (inner, self._local(p).detach())
+            out[n] = hit[1]
+        return out
 
     @property
     def lora_rank(self) -> int:
@@ -207,18 +225,20 @@ class ModuleTrainEngine(TrainEngine):
             return PolicyOutput(torch.zeros_like(values), values=values)
         return token_logprobs(out.logits, batch.input_ids, with_entropy)
 
-    def _micro_batches(self, batch: TrainBatch) -> list[tuple[TrainBatch, torch.Tensor | None]]:
+    def _micro_batches(self, batch: TrainBatch, training: bool = True) -> list[tuple[TrainBatch, torch.Tensor | None]]:
         """The micro-batches of `batch` with the rows each holds (None: a filler, see below).
 
         Consecutive runs of `micro_batch_size` rows, or, with `max_tokens_per_micro_batch`, rows packed
-        by length and each micro-batch trimmed to its longest row. A sharded model runs collectives in
-        every forward and backward, so every rank of the mesh runs as many micro-batches as the rank with
-        the most: a rank with fewer splits its largest ones, and one with fewer rows than that count
-        adds fillers (a forward and backward of one row that count for nothing).
+        by length and each micro-batch trimmed to its longest row. On a GPU with neither set, rows are
+        packed under the token budget that fits in free device memory (`token_budget`). A sharded model
+        runs collectives in every forward and backward, so every rank of the mesh runs as many
+        micro-batches as the rank with the most: a rank with fewer splits its largest ones, and one with
+        fewer rows than that count adds fillers (a forward and backward of one row that count for nothing).
         """
         args = self.args
-        if args.max_tokens_per_micro_batch:
-            groups = batch.packed_rows(args.max_tokens_per_micro_batch, args.micro_batch_size)
+        budget = args.max_tokens_per_micro_batch or self.token_budget(batch, training)
+        if budget:
+            groups = batch.packed_rows(budget, args.micro_batch_size)
         else:
             size = args.micro_batch_size or batch.size
             groups = [torch.arange(start, min(start + size, batch.size)) for start in range(0, batch.size, size)]
@@ -227,7 +247,7 @@ class ModuleTrainEngine(TrainEngine):
         for rows in groups:
             if rows is None:
                 out.append((batch.select(slice(0, 1)), None))
-            elif args.max_tokens_per_micro_batch:
+            elif budget:
                 out.append((batch.select(rows).trimmed(), rows))
             else:  # a contiguous slice, as wide as the batch
                 out.append((batch.select(slice(int(rows[0]), int(rows[-1]) + 1)), rows))
@@ -250,11 +270,57 @@ class ModuleTrainEngine(TrainEngine):
             groups[largest:largest + 1] = [rows[:half], rows[half:]]
         return groups + [None] * (target - len(groups))
 
+    def token_budget(self, batch: TrainBatch, training: bool = True) -> int | None:
+        """Tokens per micro-batch that fit in the device memory free now, when no micro-batching was asked
+        for and the engine runs on a GPU (None otherwise: the whole batch at once).
+
+        Free memory (torch's cached blocks included: training allocates through torch) less the gradients
+        the backward allocates beside the activations and a margin, over `memory.activation_bytes_per_token`.
+        A step whose longest row, or whose optimizer update, does not fit raises `MemoryPlanError` naming
+        what to change.
+        """
+        if self.device.type != "cuda" or self.args.micro_batch_size:
+            return None
+        from .memory import GiB, MemoryPlanError, activation_bytes_per_token, device_free
+
+        per_token = activation_bytes_per_token(
+            self.hf_model.config, training=training, checkpointing=self.options.gradient_checkpointing,
+            compute_itemsize=self.compute_dtype.itemsize)
+        total = torch.cuda.get_device_properties(self.device).total_memory
+        margin = max(int(0.04 * total), GiB)
+        free = device_free(self.device)
+        grads, update = self.step_bytes() if training else (0, 0)
+        longest = int(batch.lengths.max())
+        tokens = (free - grads - margin) // per_token
+        if tokens < longest or free < update + margin:
+            what = (f"rows of {longest} tokens need about {(longest * per_token + grads) / GiB:.1f} GiB"
+                    if tokens < longest else f"the optimizer's update needs {update / GiB:.1f} GiB")
+            raise MemoryPlanError(
+                f"a {'train step' if training else 'forward'} does not fit: {what} beyond the state held, and "
+                f"{free / GiB:.1f} GiB of device memory are free. Set train.options.gradient_checkpointing=true, "
+                f"shorten the rows (rollout.max_tokens, data.max_prompt_len), give the rollout engine less memory "
+                f"(rollout.options: gpu_memory_utilization for vllm, mem_fraction_static for sglang), train in "
+                f"bfloat16 (model.dtype=bfloat16), or move the optimizer off the device during rollout "
+                f"(switch.offload=optimizer,grads)")
+        return int(tokens)
+
+    def step_bytes(self) -> tuple[int, int]:
+        """Device bytes a train step allocates beyond its activations and the state held now: the gradients
+        (beside the activations), and the optimizer's update (after them: the gradients, Adam's moments
+        before the first step creates them, and one temporary the size of the trained weights)."""
+        trained = 0
+        for p in self._params.values():
+            local = self._local(p)
+            if local.device.type != "cpu":
+                trained += local.numel() * local.element_size()
+        moments = 0 if self.optimizer.state else 2 * trained
+        return trained, trained + moments + trained
+
     @torch.no_grad()
     def forward_logprobs(self, batch: TrainBatch, with_entropy: bool = False) -> PolicyOutput:
         self._need_onloaded(["params"], "run forward")
         self.model.eval()
-        parts = [(self._forward(mb, with_entropy), rows) for mb, rows in self._micro_batches(batch)]
+        parts = [(self._forward(mb, with_entropy), rows) for mb, rows in self._micro_batches(batch, training=False)]
 
         def gather(name: str):
             if getattr(parts[0][0], name) is None:
@@ -287,6 +353,8 @@ class ModuleTrainEngine(TrainEngine):
             for k, v in {"loss": float(loss.detach()), **metrics}.items():  # a filler adds its keys, at 0
                 totals[k] = totals.get(k, 0.0) + float(v) * weight
         totals["grad_norm"] = self._clip_and_step()
+        if not self.options.keep_grads:  # recomputed from zero at the next step: their memory is free till then
+            self.optimizer.zero_grad(set_to_none=True)
         totals["lr"] = self.optimizer.param_groups[0]["lr"]
         totals["micro_batches"] = float(len(micro_batches))
         totals["pad_frac"] = 1.0 - float(batch.lengths.sum()) / max(computed, 1)  # share of computed tokens
@@ -307,24 +375,26 @@ class ModuleTrainEngine(TrainEngine):
     def onload(self, tags: Sequence[str] = TRAIN_TAGS) -> int:
         return sum(self._stashes[tag].restore() for tag in check_tags(tags, TRAIN_TAGS))
 
+    def _storage_sizes(self, tag: str) -> list[int]:
+        """Bytes of each device storage behind `tag` now; before the first step, the optimizer's as AdamW will
+        allocate them (two moments per trained parameter, each a storage of its own)."""
+        if tag == "optimizer" and not self.optimizer.state and self.device.type != "cpu":
+            trained = [self._local(p) for group in self.optimizer.param_groups for p in group["params"]]
+            return [t.numel() * t.element_size() for t in trained for _ in range(2)]
+        storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                    for t in self._state_tensors(tag) if t.device.type != "cpu"}
+        return list(storages.values())
+
     def state_bytes(self) -> dict[str, int]:
         """Device bytes each tag holds now (state in host memory counts 0); before the first step, the
         optimizer's as AdamW will hold it: two moments per trained parameter."""
-        sizes = {}
-        for tag in TRAIN_TAGS:
-            storages = {t.untyped_storage().data_ptr(): t.untyped_storage()
-                        for t in self._state_tensors(tag) if t.device.type != "cpu"}
-            sizes[tag] = sum(s.nbytes() for s in storages.values())
-        if not self.optimizer.state and self.device.type != "cpu":
-            trained = [self._local(p) for group in self.optimizer.param_groups for p in group["params"]]
-            sizes["optimizer"] = 2 * sum(t.numel() * t.element_size() for t in trained)
-        return sizes
+        return {tag: sum(self._storage_sizes(tag)) for tag in TRAIN_TAGS}
 
     def reserve_host(self, tags: Sequence[str]) -> int:
-        """Allocate (and pin) the host buffers `offload(tags)` will use, now; returns their bytes."""
-        sizes = self.state_bytes()
+        """Allocate (and pin) the host buffers `offload(tags)` will use, now, so the first switch copies at the
+        speed of every later one; returns the host bytes held."""
         for tag in check_tags(tags, TRAIN_TAGS):
-            self._stashes[tag].reserve(sizes[tag])
+            self._stashes[tag].reserve(HostStash.room_for(self._storage_sizes(tag)))
         return sum(self._stashes[t].host_bytes for t in TRAIN_TAGS)
 
     def save(self, path: str) -> None:
@@ -376,6 +446,7 @@ class ModuleTrainEngine(TrainEngine):
     def close(self) -> None:
         for stash in self._stashes.values():
             stash.close()
+        self._local_views.clear()
         self._params.clear()
         self._frozen = []
         self.lora = None

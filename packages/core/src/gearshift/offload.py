@@ -60,6 +60,11 @@ class HostStash:
         """Bytes of host memory the stash keeps (held or not)."""
         return 0 if self._buffer is None else self._buffer.numel()
 
+    @staticmethod
+    def room_for(sizes: Iterable[int]) -> int:
+        """Host bytes an offload of storages of these sizes takes (each starts on an aligned boundary)."""
+        return sum(_aligned(n) for n in sizes)
+
     def reserve(self, nbytes: int) -> None:
         """Allocate (and pin, with a GPU) the host buffer now, so the first offload allocates nothing."""
         if self._saved:
@@ -82,7 +87,7 @@ class HostStash:
                 continue  # views of one storage (a group's gradients) move once
             seen.add(storage.data_ptr())
             storages.append(storage)
-        need = sum(_aligned(s.nbytes()) for s in storages)
+        need = self.room_for(s.nbytes() for s in storages)
         if need > self.host_bytes:
             self.reserve(need)
         offset = 0

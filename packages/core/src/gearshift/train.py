@@ -241,6 +241,17 @@ class TrainEngine(Buildable, ABC):
         are averaged over the ranks: every rank returns the same dict.
         """
 
+    def state_bytes(self) -> dict[str, int]:
+        """Device bytes each tag (params, grads, optimizer) holds now, for the memory plan of a switch; an
+        optimizer that allocates its state at the first step counts it as it will be. Default: {} (unknown:
+        the plan then moves optimizer and grads every switch)."""
+        return {}
+
+    def reserve_host(self, tags: Sequence[str]) -> int:
+        """Allocate now the host memory `offload(tags)` will copy into, so the first switch runs at the speed
+        of the next; returns the host bytes held. Default: nothing to reserve (0)."""
+        return 0
+
     @abstractmethod
     def offload(self, tags: Sequence[str] = TRAIN_TAGS) -> int:
         """Move the tagged state (params, grads, optimizer) to host memory; returns bytes moved (0 when the

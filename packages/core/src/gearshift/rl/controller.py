@@ -159,6 +159,9 @@ class Controller:
             "rollout/tokens_per_s": gen_tokens / max(times["time/rollout"], 1e-9),
             "time/switch_to_rollout": switch_in.seconds, "time/switch_to_train": switch_out.seconds,
             **{f"switch/{p.name}": p.seconds for p in switch_in.phases + switch_out.phases},
+            # what the memory plan moved: train state to host memory, and whether the rollout engine slept
+            "switch/offload_gb": sum(p.bytes for p in switch_in.phases if p.name.startswith("offload")) / 2**30,
+            "switch/rollout_slept": float(switch_out.phase("sleep") is not None),
             "memory/peak_gb": peak_memory_bytes() / 2**30, **times, **self.scorer.metrics,
         })
         metrics = gdist.average_metrics(metrics)

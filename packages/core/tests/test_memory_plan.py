@@ -1,0 +1,209 @@
+"""The switch's memory plan on a simulated GPU: what the rollout engine can map is memory the driver has free,
+not blocks torch's caching allocator keeps; the trainer's weights leave only after the sync has read them;
+host buffers for what a switch may move are allocated at start; the default micro-batches fit free memory."""
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from gearshift import HybridActor
+from gearshift.memory import GiB, MemoryPlanError, activation_bytes_per_token
+from gearshift.rollout import RolloutEngine
+from gearshift.train import TrainEngine
+from gearshift.weights import ParamSpec, WeightSpec
+
+
+class Device:
+    """A GPU's memory as torch and the driver see it: torch's allocations, the blocks torch caches, and what
+    an engine with an allocator of its own (vLLM's sleep mode) maps straight from the driver."""
+
+    def __init__(self, total: int) -> None:
+        self.total, self.allocated, self.cached, self.mapped, self.peak, self.events = total, 0, 0, 0, 0, []
+
+    def free(self) -> int:
+        return self.total - self.allocated - self.cached - self.mapped
+
+    def alloc(self, n: int) -> None:  # torch reuses its cache first
+        reuse = min(n, self.cached)
+        self.cached -= reuse
+        if n - reuse > self.free():
+            raise torch.OutOfMemoryError("CUDA out of memory (torch)")
+        self.allocated += n
+        self.peak = max(self.peak, self.allocated)
+
+    def release(self, n: int) -> None:  # freed tensors go to torch's cache, not to the driver
+        self.allocated -= n
+        self.cached += n
+
+    def patch(self, monkeypatch) -> None:
+        cuda = torch.cuda
+        monkeypatch.setattr(cuda, "mem_get_info", lambda device=None: (self.free(), self.total))
+        monkeypatch.setattr(cuda, "memory_allocated", lambda device=None: self.allocated)
+        monkeypatch.setattr(cuda, "memory_reserved", lambda device=None: self.allocated + self.cached)
+        monkeypatch.setattr(cuda, "max_memory_allocated", lambda device=None: self.peak)
+        monkeypatch.setattr(cuda, "reset_peak_memory_stats", lambda device=None: setattr(self, "peak", self.allocated))
+        monkeypatch.setattr(cuda, "synchronize", lambda device=None: None)
+
+        def empty_cache():
+            self.events.append("empty_cache")
+            self.cached = 0
+
+        monkeypatch.setattr(cuda, "empty_cache", empty_cache)
+
+
+class Trainer(TrainEngine):
+    """State of known sizes on the simulated device; a step allocates activations and frees them."""
+
+    def __init__(self, dev: Device, sizes: dict[str, int], activations: int) -> None:
+        self.dev, self.sizes, self.activations = dev, dict(sizes), activations
+        self.device, self.away, self.reserved = torch.device("cuda"), set(), []
+        self.args = SimpleNamespace(torch_dtype=torch.float32)
+        self.mesh = None
+        dev.alloc(sum(sizes.values()))
+        self._spec = WeightSpec.from_tensors({"w": torch.zeros(2)})
+
+    def weight_spec(self):
+        return self._spec
+
+    def local_weights(self, names):
+        assert "params" not in self.away, "the sync read weights that were moved to host memory"
+        self.dev.events.append("export")
+        return {"w": torch.zeros(2)}
+
+    def state_bytes(self):
+        return {t: 0 if t in self.away else n for t, n in self.sizes.items()}
+
+    def reserve_host(self, tags):
+        self.reserved.append(tuple(tags))
+        return sum(self.sizes[t] for t in tags)
+
+    def offload(self, tags=("params", "grads", "optimizer")):
+        moved = 0
+        for t in tags:
+            if t not in self.away:
+                self.away.add(t)
+                self.dev.release(self.sizes[t])
+                moved += self.sizes[t]
+                self.dev.events.append(f"offload {t}")
+        return moved
+
+    def onload(self, tags=("params", "grads", "optimizer")):
+        back = [t for t in tags if t in self.away]
+        for t in back:
+            self.dev.alloc(self.sizes[t])
+            self.away.discard(t)
+        return sum(self.sizes[t] for t in back)
+
+    def step(self):
+        self.dev.alloc(self.activations)
+        self.dev.release(self.activations)
+
+    forward_logprobs = train_step = save = load = save_hf = lambda *a, **k: None
+
+
+class Rollout(RolloutEngine):
+    """Maps weights and KV cache from the driver's free memory on wake, as vLLM's sleep mode does."""
+
+    def __init__(self, dev: Device, weights: int, kv: int) -> None:
+        self.dev, self.need, self.awake = dev, {"weights": weights, "kv_cache": kv}, {"weights", "kv_cache"}
+        self.device, self.max_model_len = torch.device("cuda"), 16
+        self._spec = WeightSpec.from_tensors({"w": torch.zeros(2)})
+        dev.mapped = weights + kv
+
+    def weight_spec(self):
+        return self._spec
+
+    def resident_bytes(self):
+        return {t: n if t in self.awake else 0 for t, n in self.need.items()}
+
+    def sleep(self, tags=("weights", "kv_cache")):
+        for t in set(tags) & self.awake:
+            self.awake.discard(t)
+            self.dev.mapped -= self.need[t]
+
+    def wake(self, tags=("weights", "kv_cache")):
+        for t in set(tags) - self.awake:
+            if self.need[t] > self.dev.free():
+                raise RuntimeError(f"CUDA Error: out of memory at cumem_allocator.cpp (waking {t})")
+            self.dev.mapped += self.need[t]
+            self.awake.add(t)
+            self.dev.events.append(f"wake {t}")
+
+    def update_weights(self, buckets):
+        return sum(b.nbytes for b in buckets)
+
+    generate = reset_cache = lambda *a, **k: None
+
+
+def _cycle(actor, trainer, steps=3):
+    for _ in range(steps):
+        actor.to_rollout()
+        actor.to_train()
+        trainer.step()
+
+
+def test_torch_cache_goes_back_before_the_rollout_engine_maps_memory(monkeypatch):
+    dev = Device(100 * GiB)
+    dev.patch(monkeypatch)
+    trainer = Trainer(dev, {"params": 20 * GiB, "grads": 0, "optimizer": 40 * GiB}, activations=35 * GiB)
+    actor = HybridActor(trainer, Rollout(dev, weights=10 * GiB, kv=20 * GiB))
+    _cycle(actor, trainer)  # the activations' 35 GiB sit in torch's cache when each switch starts
+    up = actor.reports[-2]
+    assert up.phase("release_cache") is not None and up.phase("release_cache").bytes >= 35 * GiB
+    assert dev.events.index("empty_cache") < dev.events.index("wake weights")
+    assert up.phase("offload") is None, "state and rollout engine fit together once the cache went back"
+
+
+def test_state_moves_only_when_the_rollout_engine_needs_it_and_weights_only_after_the_sync(monkeypatch):
+    dev = Device(100 * GiB)
+    dev.patch(monkeypatch)
+    sizes = {"params": 30 * GiB, "grads": 0, "optimizer": 40 * GiB}
+    trainer = Trainer(dev, sizes, activations=20 * GiB)
+    actor = HybridActor(trainer, Rollout(dev, weights=10 * GiB, kv=55 * GiB))  # 65 GiB: more than the optimizer frees
+    assert trainer.reserved == [("optimizer", "params")]  # what the plan will move, allocated at start
+    dev.events.clear()
+    _cycle(actor, trainer)
+    first = dev.events[: dev.events.index("wake kv_cache") + 1]
+    assert first.index("offload optimizer") < first.index("export") < first.index("offload params"), first
+    assert trainer.away == set() and dev.allocated == 70 * GiB  # every state back for training
+
+
+def test_given_tags_have_their_host_buffers_at_start_and_always_move(monkeypatch):
+    dev = Device(200 * GiB)
+    dev.patch(monkeypatch)
+    trainer = Trainer(dev, {"params": 10 * GiB, "grads": 5 * GiB, "optimizer": 20 * GiB}, activations=GiB)
+    actor = HybridActor(trainer, Rollout(dev, 5 * GiB, 5 * GiB), offload=["optimizer", "grads"])
+    assert trainer.reserved == [("optimizer", "grads")] and actor.host_reserved == 25 * GiB
+    _cycle(actor, trainer, 2)
+    assert all(r.phase("offload").bytes == 25 * GiB for r in actor.reports[::2])
+
+
+def test_activation_estimate_orders_its_cases():
+    config = SimpleNamespace(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
+                             num_key_value_heads=2, head_dim=64, vocab_size=151936)
+    train = activation_bytes_per_token(config, training=True)
+    assert activation_bytes_per_token(config, training=True, checkpointing=True) < train
+    assert activation_bytes_per_token(config, training=False) < train
+    assert 4 * 2**20 < train < 6 * 2**20  # about 5 MiB a token at Qwen2-0.5B's shape (vocabulary included)
+
+
+def test_the_default_micro_batches_fit_free_memory_or_say_what_to_change(monkeypatch, gearshift_model):
+    from gearshift import memory
+    from gearshift.backends.torch_train import TorchTrainEngine
+    from gearshift.train import TrainBatch
+
+    engine = TorchTrainEngine.build(gearshift_model)
+    per_token = activation_bytes_per_token(engine.hf_model.config, training=True, compute_itemsize=4)  # float32
+    batch = TrainBatch.from_sequences([[5] * 10] * 8, [[6] * 30] * 8)  # rows of 40 tokens
+    engine.device = torch.device("cuda")  # the budget is worked out for GPUs only; its memory is simulated here
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d: SimpleNamespace(total_memory=100 * GiB))
+    margin = 4 * GiB  # 4% of the device
+    monkeypatch.setattr(memory, "device_free", lambda d, cached=True: margin + 100 * per_token)
+    assert engine.token_budget(batch) == 100  # the step's own gradients are on this CPU's host here: 0 bytes
+    assert [len(rows) for _, rows in engine._micro_batches(batch)] == [2, 2, 2, 2]  # 2 rows of 40 a micro-batch
+    monkeypatch.setattr(memory, "device_free", lambda d, cached=True: margin + 30 * per_token)
+    with pytest.raises(MemoryPlanError, match="rows of 40 tokens need.*gradient_checkpointing=true"):
+        engine.token_budget(batch)
+    engine.device = torch.device("cpu")
+    assert engine.token_budget(batch) is None  # a CPU: the whole batch at once, as before
