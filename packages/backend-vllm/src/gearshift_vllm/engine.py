@@ -171,6 +171,8 @@ class VLLMRolloutEngine(RolloutEngine):
             vllm = import_vllm()
             self._vllm = vllm
             check_architecture(vllm, config)
+            if self.on_gpu:
+                check_sleep_allocator_free()
             if self.cpu_weights == "plain":
                 kwargs["load_format"] = register_plain_loader()
             from vllm.distributed import parallel_state
@@ -303,24 +305,29 @@ class VLLMRolloutEngine(RolloutEngine):
         return feeder.bytes
 
     def _load_in_place(self, buckets: Iterable[WeightBucket]) -> int:
-        loaded, applied = 0, 0
+        loaded, applied, landing = 0, 0, self._landing
         try:
-            with self._calling_vllm():
-                for bucket in buckets:
-                    try:
-                        tensors = self._spec.check(bucket.tensors, self.rank)
-                        self._check_landing(tensors)
-                    except WeightError as e:
-                        raise WeightError(f"{e} ({applied} weights from the buckets before it were applied)") from e
-                    direct = [n for n in tensors if n in self._landing]
-                    if direct:  # one cast-copy per weight straight into vLLM's storage, batched
-                        torch._foreach_copy_([self._landing[n] for n in direct], [tensors[n] for n in direct])
-                    rest = [(n, t) for n, t in tensors.items() if n not in self._landing]
-                    if rest:
+            for bucket in buckets:
+                try:
+                    tensors = self._spec.check(bucket.tensors, self.rank)
+                    self._check_landing(tensors)
+                except WeightError as e:
+                    raise WeightError(f"{e} ({applied} weights from the buckets before it were applied)") from e
+                into, rest = [], []
+                for n, t in tensors.items():
+                    view = landing.get(n)
+                    if view is None:
+                        rest.append((n, t))
+                    else:
+                        into.append((view, t))
+                if into:  # one cast-copy per weight straight into vLLM's storage, batched: no call into vLLM
+                    torch._foreach_copy_([v for v, _ in into], [t for _, t in into])
+                if rest:
+                    with self._calling_vllm():
                         self._llm.apply_model(lambda model, rest=rest: model.load_weights(iter(rest)))
-                    loaded += bucket.nbytes
-                    applied += len(tensors)
-                    del tensors, rest, bucket
+                loaded += bucket.nbytes
+                applied += len(tensors)
+                del tensors, into, rest, bucket
         finally:
             self.reset_cache()
         return loaded
@@ -454,13 +461,38 @@ class VLLMRolloutEngine(RolloutEngine):
             engine_core.cleanup_dist_env_and_memory = cleanup
         release_groups()
         self._llm = None
+        # views into vLLM's storage would keep its sleep-mode allocations alive after the engine is gone
+        self._landing, self._unlanded, self._lora_request = {}, [], None
         if self._adapter_dir is not None:
             shutil.rmtree(self._adapter_dir, ignore_errors=True)
         gc.collect()
+        if self.on_gpu:
+            torch.cuda.empty_cache()
 
 
 #: the engines of this process that are running: vLLM's process groups are the process's, shared by them all
 _LIVE: "weakref.WeakSet[VLLMRolloutEngine]" = weakref.WeakSet()
+
+
+def sleep_allocator_in_use() -> int:
+    """Bytes vLLM's sleep-mode allocator (its process-wide CuMemAllocator) still holds (0: none, or unused)."""
+    try:
+        from vllm.device_allocator.cumem import CuMemAllocator
+    except ImportError:
+        return 0
+    instance = getattr(CuMemAllocator, "instance", None)
+    return int(instance.get_current_usage()) if instance is not None else 0
+
+
+def check_sleep_allocator_free() -> None:
+    """Refuse, before vLLM starts, a second engine with sleep mode in a process whose first one's memory is
+    still held: vLLM's allocator serves one engine per process and would fail deep inside its start."""
+    held = sleep_allocator_in_use()
+    if held:
+        raise RolloutError(
+            f"vLLM's sleep-mode allocator serves one engine per process, and it still holds {held / 2**30:.1f} GiB "
+            f"from an engine built earlier in this process (closed or not): build the next vllm engine in a new "
+            f"process (the gearshift benchmarks run one model per process)")
 
 
 def _vllm_lora_rank(rank: int) -> int:

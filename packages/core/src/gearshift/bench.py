@@ -50,6 +50,10 @@ class SwitchBench:
     pcie_s: float | None = None  # the same bytes from pinned host memory to the device (GPU only)
     #: switches that sent a LoRA trainer's adapter alone (`AdapterResharder`), where the pair can
     adapter: SwitchReport | None = None
+    #: one batched copy (`torch._foreach_copy_`) of the same tensors: what a sync with no host work per tensor
+    #: would take; and how many tensors a sync moves
+    foreach_s: float | None = None
+    tensors: int = 0
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -70,6 +74,13 @@ class SwitchBench:
         return None if self.adapter is None else self.adapter.phase("load").bytes
 
     @property
+    def host_us_per_tensor(self) -> float | None:
+        """Microseconds per tensor the sync takes beyond one batched copy of the same tensors: its host work."""
+        if self.foreach_s is None or not self.tensors:
+            return None
+        return max(self.sync_s - self.foreach_s, 0.0) / self.tensors * 1e6
+
+    @property
     def naive_s(self) -> float:
         return sum(p.seconds for p in self.naive.phases if p.name in ("save", "load"))
 
@@ -87,6 +98,7 @@ class SwitchBench:
             "engine_load_s": self.engine_load_s, "pcie_s": self.pcie_s, **self.ratios(),
             "to_rollout": self.to_rollout.to_dict(), "to_train": self.to_train.to_dict(),
             "naive": self.naive.to_dict(), "adapter_sync_s": self.adapter_sync_s, "adapter_bytes": self.adapter_bytes,
+            "foreach_s": self.foreach_s, "tensors": self.tensors, "host_us_per_tensor": self.host_us_per_tensor,
             "adapter": self.adapter.to_dict() if self.adapter is not None else None, **self.extra,
         }
 
@@ -105,6 +117,10 @@ class SwitchBench:
             f"{'own load (the engine alone)':<38}{self.engine_load_s:10.4f} s  "
             f"sync is {r['sync_over_engine_load']:.2f}x",
         ]
+        if self.foreach_s is not None:
+            lines.append(f"{'one batched copy (_foreach_copy_)':<38}{self.foreach_s:10.4f} s  sync is "
+                         f"{self.sync_s / max(self.foreach_s, 1e-9):.2f}x; host work "
+                         f"{self.host_us_per_tensor:.1f} us per tensor ({self.tensors} tensors)")
         if self.pcie_s is not None:
             lines.append(f"{'PCIe (pinned host to device)':<38}{self.pcie_s:10.4f} s  "
                          f"sync is {self.sync_s / self.pcie_s:.2f}x")
@@ -237,13 +253,14 @@ def measure_pair(train, rollout, switches: int = 5, naive_switches: int = 3, nai
     dst = [torch.empty_like(t) for t in src]
     exchange = _exchange(plan, src[0].device if src else train.device, gathers=not train.can_lend_weights)
     copy_s = _median_seconds(lambda: ([d.copy_(s) for d, s in zip(dst, src)], exchange()), max(switches, 3))
+    foreach_s = _median_seconds(lambda: torch._foreach_copy_(dst, src), max(switches, 3)) if src else None
     pcie_s = None
     if src and src[0].device.type == "cuda":  # what a sync that kept the weights in host memory would pay
         host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t) for t in src]
         pcie_s = _median_seconds(lambda: [d.copy_(h, non_blocking=True) for d, h in zip(dst, host)], max(switches, 3))
         del host
     return SwitchBench(*labels, plan.bytes_received(gdist.rank()), median_report(ups), median_report(downs),
-                       median_report(naive), copy_s, engine_load_s, pcie_s, adapter)
+                       median_report(naive), copy_s, engine_load_s, pcie_s, adapter, foreach_s, len(src))
 
 
 def measure_switch(train_name: str, rollout_name: str, model: str, switches: int = 5, naive_switches: int = 3,

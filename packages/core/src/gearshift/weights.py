@@ -17,6 +17,7 @@ other side.
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
+from functools import cached_property
 from typing import Iterator, Mapping
 
 import torch
@@ -95,7 +96,19 @@ class WeightSpec:
         return [p.name for p in self.params]
 
     def by_name(self) -> dict[str, ParamSpec]:
+        return dict(self._by_name)
+
+    @cached_property
+    def _by_name(self) -> dict[str, ParamSpec]:
         return {p.name: p for p in self.params}
+
+    def local_shapes(self, rank: int) -> dict[str, tuple[int, ...]]:
+        """name -> the shape of rank `rank`'s part of each weight; worked out once per rank and kept (read-only)."""
+        cache = self.__dict__.setdefault("_local_shapes", {})
+        shapes = cache.get(rank)
+        if shapes is None:
+            shapes = cache[rank] = {p.name: p.placement.local_shape(p.shape, rank) for p in self.params}
+        return shapes
 
     def canonical(self, name: str) -> str:
         """The listed name of weight `name` (itself, or the weight an alias stands for)."""
@@ -147,21 +160,21 @@ class WeightSpec:
     def check(self, tensors: Mapping[str, torch.Tensor], rank: int = 0) -> dict[str, torch.Tensor]:
         """The tensors under their listed names; `WeightError` unless each is a known weight of this
         rank's local shape (a tied weight sent under both names must be one tensor)."""
-        known = self.by_name()
+        shapes, aliases = self.local_shapes(rank), self.aliases
         out: dict[str, torch.Tensor] = {}
-        for sent, tensor in tensors.items():
-            name = self.canonical(sent)
+        for sent, tensor in tensors.items():  # on every sync's path: a few dictionary look-ups a weight
+            name = aliases.get(sent, sent)
             if name in out and out[name] is not tensor and not torch.equal(out[name], tensor):
                 others = sorted(a for a, t in self.aliases.items() if t == name)
                 raise WeightError(f"{name!r} and its tied name {others} were both sent with different values: "
                                   f"they are one weight in this model; send it once")
-            spec = known.get(name)
-            if spec is None:
-                close = [k for k in known if k.rsplit(".", 1)[-1] == name.rsplit(".", 1)[-1]][:3]
+            want = shapes.get(name)
+            if want is None:
+                close = [k for k in shapes if k.rsplit(".", 1)[-1] == name.rsplit(".", 1)[-1]][:3]
                 hint = f"; names of that kind here: {close}" if close else ""
-                raise WeightError(f"unknown weight {name!r}: this engine has {len(known)} weights{hint}")
-            want = spec.placement.local_shape(spec.shape, rank)
-            if tuple(tensor.shape) != want:
+                raise WeightError(f"unknown weight {name!r}: this engine has {len(shapes)} weights{hint}")
+            if tensor.shape != want:
+                spec = self._by_name[name]
                 raise WeightError(
                     f"weight {name!r} has shape {tuple(tensor.shape)}, expected {want} "
                     f"(full {spec.shape}, placement {spec.placement})"

@@ -42,6 +42,12 @@ def bench100m() -> dict:
                 num_key_value_heads=12, head_dim=64, max_position_embeddings=1024, vocab_size=32000)
 
 
+def deep() -> dict:
+    """Qwen2-0.5B's count of tensors (24 layers, 290 tensors) at the tiny preset's widths: where host work
+    per tensor dominates a sync, as it does on a GPU (benchmarks of the sync's host time)."""
+    return dict(tiny(), num_hidden_layers=24)
+
+
 def qwen2_0_5b() -> dict:
     """The shape of Qwen2-0.5B (random weights): GPU runs."""
     return dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
@@ -60,7 +66,7 @@ def qwen2_7b() -> dict:
                 num_key_value_heads=4, head_dim=128, max_position_embeddings=4096, vocab_size=152064)
 
 
-PRESETS = {"tiny": tiny, "small": small, "bench100m": bench100m, "qwen2-0.5b": qwen2_0_5b,
+PRESETS = {"tiny": tiny, "small": small, "deep": deep, "bench100m": bench100m, "qwen2-0.5b": qwen2_0_5b,
            "qwen2-1.5b": qwen2_1_5b, "qwen2-7b": qwen2_7b}
 #: presets saved in bfloat16 (engines load them in the dtype they are asked for): half the bytes to write and read
 BF16_PRESETS = {"qwen2-1.5b", "qwen2-7b"}
@@ -147,6 +153,17 @@ def _config(arch: str, shape: dict, tokenizer, dtype: str):
     )
 
 
+#: shapes of at least this many parameters are drawn on a GPU when there is one
+GPU_INIT_PARAMS = 200_000_000
+
+
+def _parameters(shape: dict) -> int:
+    """About how many parameters a decoder of `shape` has (embedding, attention, MLP)."""
+    h, layers = shape["hidden_size"], shape["num_hidden_layers"]
+    kv = shape.get("num_key_value_heads", shape["num_attention_heads"]) * shape.get("head_dim", 64)
+    return shape["vocab_size"] * h + layers * (2 * h * h + 2 * h * kv + 3 * h * shape["intermediate_size"])
+
+
 def build_model(path: str | os.PathLike, preset: str | dict = "tiny", arch: str = "qwen2", seed: int = 0,
                 dtype: str = "float32") -> str:
     """Build (once; a folder with the same recipe is reused) and save a model with its tokenizer."""
@@ -157,14 +174,18 @@ def build_model(path: str | os.PathLike, preset: str | dict = "tiny", arch: str 
     if isinstance(preset, str) and preset not in PRESETS:
         raise ValueError(f"unknown preset {preset!r}; choose from {sorted(PRESETS)}")
     path = Path(path)
-    recipe = json.dumps({"shape": shape, "arch": arch, "seed": seed, "dtype": dtype, "v": 1}, sort_keys=True)
+    # a large shape is drawn on the GPU where there is one (seconds, against minutes for 7B on the CPU); the
+    # device is part of the recipe, since the two draw other numbers from one seed
+    on_gpu = torch.cuda.is_available() and _parameters(shape) >= GPU_INIT_PARAMS
+    recipe = {"shape": shape, "arch": arch, "seed": seed, "dtype": dtype, "v": 1}
+    recipe = json.dumps({**recipe, "device": "cuda"} if on_gpu else recipe, sort_keys=True)
     stamp = path / "gearshift-recipe.json"
     if stamp.exists() and stamp.read_text() == recipe:
         return str(path)
     path.mkdir(parents=True, exist_ok=True)
     tokenizer = build_tokenizer(path)
     config = _config(arch, shape, tokenizer, dtype)
-    with torch.random.fork_rng(devices=[]):
+    with torch.random.fork_rng(devices=[0] if on_gpu else []), torch.device("cuda" if on_gpu else "cpu"):
         torch.manual_seed(seed)
         model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype))
     model.generation_config.pad_token_id = tokenizer.pad_token_id

@@ -8,9 +8,13 @@ weight is worked out on first use and kept, so a sync repeats none of it.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from ..mesh import box_slices
 from ..weights import ParamSpec, WeightSpec
+
+if TYPE_CHECKING:
+    import torch
 
 Box = tuple[tuple[int, int], ...]
 
@@ -81,6 +85,7 @@ class ReshardPlan:
     _src: dict[str, ParamSpec] = field(default_factory=dict, repr=False)
     _dst: dict[str, ParamSpec] = field(default_factory=dict, repr=False)
     _views: dict[tuple[int, str], RankView] = field(default_factory=dict, repr=False)
+    _whole: dict[tuple[int, int], tuple | None] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
         self._src = self.src.by_name()
@@ -126,12 +131,22 @@ class ReshardPlan:
             view = self._views[key] = RankView(box_shape(dst_box) if dst_box is not None else None, pieces, whole)
         return view
 
+    def whole_bucket(self, rank: int, bucket: BucketPlan) -> tuple[tuple[str, "torch.dtype"], ...] | None:
+        """(name, rollout dtype) of each weight of `bucket` when `rank` holds every one of them whole in the
+        rollout layout (colocated on one rank, or full replicas on both sides), else None; worked out once."""
+        key = (rank, bucket.index)
+        if key not in self._whole:
+            whole = all(self.rank_view(rank, n).whole for n in bucket.names)
+            self._whole[key] = tuple((n, self.target(n).dtype) for n in bucket.names) if whole else None
+        return self._whole[key]
+
     def bytes_received(self, rank: int) -> int:
         """Bytes that land on `rank` in its rollout layout per sync (0 on a rank outside the rollout ranks)."""
         j = self.dst.mesh_rank(rank)
         if j is None:
             return 0
-        return sum(p.dtype.itemsize * numel(box_shape(p.placement.local_box(p.shape, j))) for p in self.dst)
+        shapes = self.dst.local_shapes(j)
+        return sum(p.dtype.itemsize * numel(shapes[p.name]) for p in self.dst)
 
     def bytes_sent_remote(self, rank: int) -> int:
         """Bytes `rank` sends to other ranks per sync."""

@@ -63,6 +63,11 @@ def stream_plan(
 
 
 def _assemble(plan, bucket, local, rank, group, cast, tag, device=None) -> WeightBucket:
+    whole = plan.whole_bucket(rank, bucket) if local else None
+    if whole is not None:  # nothing to cut, send or receive: the trainer's own tensors (cast if asked)
+        if not cast:
+            return WeightBucket({n: local[n] for n, _ in whole}, bucket.index)
+        return WeightBucket({n: t if t.dtype == d else t.to(d) for n, d in whole for t in (local[n],)}, bucket.index)
     out: dict[str, torch.Tensor] = {}
     # the tensors this rank assembles are views into one buffer per dtype: one allocation, not one per weight
     sizes: dict[torch.dtype, int] = {}
