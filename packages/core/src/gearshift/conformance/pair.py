@@ -22,7 +22,7 @@ from ..train import TrainBatch
 from ..weights import WeightError, WeightSpec
 from ..train import nll_loss as nll
 from .train import fixed_batch
-from .util import PROMPTS, max_logprob_diff, same_outputs
+from .util import PROMPTS, max_logprob_diff, same_outputs, widen_for_dtype
 
 # sampled below temperature 1: the rollout engine must still report the model's own logprobs
 SAMPLE = SamplingParams(n=2, temperature=0.7, max_tokens=8, seed=3)
@@ -62,6 +62,10 @@ class PairSuite:
             f"{type(self).__name__} must supply the fixture rollout_engine: a float32 rollout engine built from "
             f"gearshift_model, e.g.\n    @pytest.fixture(scope='class')\n    @classmethod\n"
             f"    def rollout_engine(cls, gearshift_model):\n        return MyEngine.build(gearshift_model)")
+
+    @pytest.fixture(autouse=True)
+    def _dtype_tolerance(self, request, train_engine, rollout_engine):
+        widen_for_dtype(self, request, train_engine, rollout_engine)
 
     @pytest.fixture
     def actor(self, train_engine, rollout_engine):

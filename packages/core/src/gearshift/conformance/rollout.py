@@ -19,7 +19,7 @@ from ..rollout import ROLLOUT_TAGS, RolloutError, SamplingParams
 from ..weights import WeightBucket, WeightError
 from .util import (
     PROMPTS, as_buckets, long_prompts, max_logprob_diff, perturbed, reference_logprob_diff, reference_weights,
-    same_outputs,
+    same_outputs, widen_for_dtype,
 )
 
 GREEDY = SamplingParams(n=1, temperature=0.0, max_tokens=8)
@@ -39,6 +39,10 @@ class RolloutEngineSuite:
             f"gearshift_model in float32, e.g.\n"
             f"    @pytest.fixture(scope='class')\n    @classmethod\n"
             f"    def rollout_engine(cls, gearshift_model):\n        return MyEngine.build(gearshift_model)")
+
+    @pytest.fixture(autouse=True)
+    def _dtype_tolerance(self, request, rollout_engine):
+        widen_for_dtype(self, request, rollout_engine)
 
     @pytest.fixture
     def original(self, rollout_engine, gearshift_model):

@@ -13,6 +13,38 @@ from ..weights import WeightBucket, WeightSpec
 
 PROMPTS = [[72, 101, 108, 108, 111], [49, 43, 50, 61], [84, 104, 101, 32, 113, 117, 105, 99, 107]]
 
+#: compute dtype -> (log-probability tolerance, relative tolerance of a loss computed two ways); float32 keeps
+#: each suite's own. bfloat16's 8 bits of mantissa move a random 0.5B model's logprobs by up to a few tenths
+#: between kernels and batch shapes (seen on an H200 with vLLM and FSDP)
+TOLERANCES = {torch.float32: (0.0, 1e-5), torch.float16: (0.1, 2e-3), torch.bfloat16: (0.5, 1e-2)}
+
+
+def compute_dtype(engine) -> torch.dtype:
+    """The least precise dtype an engine computes in: a trainer's `compute_dtype` (its master dtype when it
+    says none), a rollout engine's weights'."""
+    from ..rollout import RolloutEngine
+
+    if isinstance(engine, RolloutEngine):
+        dtypes = {p.dtype for p in engine.weight_spec()}
+    else:
+        dtypes = {getattr(engine, "compute_dtype", None) or engine.args.torch_dtype}
+    return max(dtypes, key=lambda d: torch.finfo(d).eps)
+
+
+def tolerances(*engines) -> tuple[float, float]:
+    """(logprob atol, loss rtol) for engines computing in their dtypes: those of the least precise."""
+    least = max((compute_dtype(e) for e in engines), key=lambda d: torch.finfo(d).eps)
+    return TOLERANCES.get(least, TOLERANCES[torch.bfloat16])
+
+
+def widen_for_dtype(suite, request, *engines) -> None:
+    """Raise the suite's `logprob_atol` (and `loss_rtol`) to what the engines' compute dtype allows, unless
+    `--gearshift-atol` set the log-probability tolerance (it wins)."""
+    atol, rtol = tolerances(*engines)
+    given = request.config.getoption("--gearshift-atol", default=None)
+    suite.logprob_atol = given if given is not None else max(type(suite).logprob_atol, atol)
+    suite.loss_rtol = max(getattr(type(suite), "loss_rtol", 1e-5), rtol)
+
 
 def saved_weights(model_path: str) -> dict[str, torch.Tensor]:
     """Every tensor in the folder's safetensors files, as saved."""
