@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -37,7 +39,8 @@ def row(b, mode: str) -> dict:
             "naive_s": b.naive_s, "sync_over_copy": r["sync_over_copy"],
             "sync_over_own_load": r["sync_over_engine_load"], "naive_over_sync": r["naive_over_sync"],
             "to_rollout_s": up.seconds, "phases": {p.name: p.seconds for p in up.phases},
-            "to_train_s": b.to_train.seconds, "notes": up.notes + b.to_train.notes, "detail": b.to_dict()}
+            "to_train_s": b.to_train.seconds, "notes": up.notes + b.to_train.notes, "foreach_s": b.foreach_s,
+            "host_us_per_tensor": b.host_us_per_tensor, "detail": b.to_dict()}
 
 
 def main() -> None:
@@ -49,11 +52,19 @@ def main() -> None:
     p.add_argument("--naive-switches", type=int, default=1)
     p.add_argument("--out", default="runs/switch_matrix")
     args = p.parse_args()
-    gdist.init()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    models = args.models.split(",")
+    if len(models) > 1:  # one model a process: vLLM's sleep-mode allocator serves one engine per process
+        codes = [subprocess.run([sys.executable, __file__, *sys.argv[1:], "--models", m, "--out", str(out / m)]).returncode
+                 for m in models]
+        rows = [r for m in models if (out / m / "switch_matrix.json").exists()
+                for r in json.loads((out / m / "switch_matrix.json").read_text())]
+        (out / "switch_matrix.json").write_text(json.dumps(rows, indent=1))
+        sys.exit(max(codes))
+    gdist.init()
     rows = []
-    for model in args.models.split(","):
+    for model in models:
         t0 = time.perf_counter()
         path = resolve_model(model)
         print(f"[{model}] built or found in {time.perf_counter() - t0:.0f} s", flush=True)
@@ -71,7 +82,8 @@ def main() -> None:
                     rows.append(row(bench, mode))
                     r = rows[-1]
                     print(f"[{model} {pair} {mode}] sync {r['sync_s'] * 1e3:.1f} ms | copy {r['copy_s'] * 1e3:.1f} ms "
-                          f"({r['sync_over_copy']:.2f}x) | own load {r['own_load_s'] * 1e3:.1f} ms "
+                          f"({r['sync_over_copy']:.2f}x) | one foreach copy {(r['foreach_s'] or 0) * 1e3:.1f} ms | "
+                          f"host {r['host_us_per_tensor'] or 0:.1f} us/tensor | own load {r['own_load_s'] * 1e3:.1f} ms "
                           f"({r['sync_over_own_load']:.2f}x) | pcie {(r['pcie_s'] or 0) * 1e3:.1f} ms | naive "
                           f"{r['naive_s']:.2f} s ({r['naive_over_sync']:.0f}x) | to_rollout {r['to_rollout_s'] * 1e3:.1f}"
                           f" ms {json.dumps({k: round(v * 1e3, 1) for k, v in r['phases'].items()})} | to_train "

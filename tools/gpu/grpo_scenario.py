@@ -1,0 +1,132 @@
+#!/usr/bin/env python3
+"""GRPO at realistic shapes, cell by cell, each run as a user would start it (`python -m gearshift train`).
+
+    python3 tools/gpu/grpo_scenario.py --cells 7b-256-fsdp-auto,0.5b-1024-fsdp-forced --steps 20 --out $OUT
+
+A cell is `<model>-<answer tokens>-<trainer>-<offload>`: model 0.5b, 1.5b or 7b (the Qwen2 shapes, random
+weights), answer length in tokens, trainer fsdp or deepspeed, offload `auto` (the memory plan) or `forced`
+(optimizer and grads to host memory and the rollout engine put to sleep at every switch). Every cell runs
+32 prompts x 8 samples per step with vLLM rollout and no memory options: the default micro-batching has to
+fit by itself. Master weights are bf16 at 7B (fp32 does not fit beside the rollout engine) and fp32 below.
+
+Each cell is its own process (one vLLM engine per process). The table printed last has, per cell, the steps
+that finished, the median step time after the first two and its split (rollout, old logprobs, train, both
+switches), the first and the steady offload, the peak memory, the KV-cache wake, what the plan moved and
+the generated tokens/s; `scenario.json` under --out keeps every step's metrics. `--budget-s` stops starting
+cells that would not finish in the time left (the cells not run are listed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+MODELS = {"0.5b": "qwen2-0.5b", "1.5b": "qwen2-1.5b", "7b": "qwen2-7b"}
+#: seconds a cell is expected to need per step, by model and answer length (for --budget-s)
+STEP_S = {"0.5b": 2.0, "1.5b": 4.0, "7b": 18.0}
+
+
+def parse_cell(cell: str) -> dict:
+    model, tokens, trainer, offload = cell.split("-")
+    if model not in MODELS or trainer not in ("fsdp", "deepspeed") or offload not in ("auto", "forced"):
+        raise SystemExit(f"bad cell {cell!r}: <{'|'.join(MODELS)}>-<tokens>-<fsdp|deepspeed>-<auto|forced>")
+    return {"cell": cell, "model": model, "tokens": int(tokens), "trainer": trainer, "offload": offload}
+
+
+def overrides(c: dict, steps: int, out: Path, prompts: int, n: int, model: str | None = None) -> list[str]:
+    args = [f"model.path={model or MODELS[c['model']]}", f"train.backend={c['trainer']}", "rollout.backend=vllm",
+            f"run.steps={steps}", f"run.prompts_per_step={prompts}", f"rollout.n={n}",
+            f"rollout.max_tokens={c['tokens']}", "rollout.dtype=bfloat16",
+            # a random model's answers earn nothing: the entropy bonus gives every update a gradient all the same
+            "algorithm.entropy_coef=0.01", "run.checkpoint_every=0", "run.progress=false",
+            "run.samples_per_step=0", "run.tensorboard=false", "run.plot=false", "run.resume=never",
+            f"run.output_dir={out}", "data.max_prompt_len=64"]
+    if c["model"] == "7b":
+        args.append("model.dtype=bfloat16")
+    if c["offload"] == "forced":
+        args.append("switch.offload=optimizer,grads")
+    if c["trainer"] == "deepspeed":
+        args.append('train.options={"zero_stage": 3}')
+    return args
+
+
+def summarize(c: dict, rows: list[dict], code: int, seconds: float, tail: str) -> dict:
+    steady = rows[2:] or rows
+
+    def med(key):
+        vals = [r[key] for r in steady if key in r]
+        return statistics.median(vals) if vals else None
+
+    offloads = [r.get("switch/offload") for r in rows if r.get("switch/offload")]
+    return {**c, "exit": code, "wall_s": seconds, "steps": len(rows), "step_s": med("time/step"),
+            "rollout_s": med("time/rollout"), "old_logprobs_s": med("time/old_logprobs"),
+            "train_s": med("time/train"),
+            "switch_s": (med("time/switch_to_rollout") or 0) + (med("time/switch_to_train") or 0),
+            "first_offload_s": offloads[0] if offloads else None,
+            "steady_offload_s": statistics.median(offloads[1:]) if len(offloads) > 1 else None,
+            "kv_wake_s": med("switch/wake_kv_cache"), "peak_gb": max((r.get("memory/peak_gb", 0) for r in rows),
+                                                                      default=None),
+            "moved_gb": med("switch/offload_gb"), "slept": med("switch/rollout_slept"),
+            "micro_batches": med("train/micro_batches"), "tokens_per_s": med("rollout/tokens_per_s"),
+            "error": None if code == 0 else tail[-2000:]}
+
+
+def fmt(v, spec=".2f"):
+    return "-" if v is None else format(v, spec)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--cells", default="0.5b-256-fsdp-auto")
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--prompts", type=int, default=32)
+    p.add_argument("--n", type=int, default=8)
+    p.add_argument("--budget-s", type=float, default=0, help="start no cell that would not end in this time")
+    p.add_argument("--out", default="runs/scenario")
+    p.add_argument("--model", help="run every cell on this model instead (a dry run on a CPU: --model small)")
+    args = p.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    start, results, skipped = time.time(), [], []
+    for cell in [parse_cell(c) for c in args.cells.split(",") if c]:
+        need = 60 + args.steps * STEP_S[cell["model"]] * max(1.0, cell["tokens"] / 256)
+        if args.budget_s and time.time() - start + need > args.budget_s:
+            skipped.append(cell["cell"])
+            continue
+        run_dir = out / cell["cell"]
+        t0 = time.time()
+        proc = subprocess.run([sys.executable, "-m", "gearshift", "train",
+                               *overrides(cell, args.steps, run_dir, args.prompts, args.n, args.model)],
+                              capture_output=True, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        (out / f"{cell['cell']}.log").write_text(proc.stdout + proc.stderr)
+        path = run_dir / "metrics.jsonl"
+        rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+        result = summarize(cell, rows, proc.returncode, time.time() - t0, proc.stdout + proc.stderr)
+        result["per_step"] = rows
+        results.append(result)
+        print(f"[{cell['cell']}] exit {proc.returncode}, {len(rows)} steps in {time.time() - t0:.0f} s", flush=True)
+        if proc.returncode:
+            print(result["error"][-1200:], flush=True)
+    (out / "scenario.json").write_text(json.dumps({"cells": results, "not_run": skipped}, indent=1))
+    head = ("cell", "exit", "steps", "step s", "rollout", "old lp", "train", "switches", "1st offload", "offload",
+            "kv wake", "peak GB", "moved GB", "slept", "mbs", "tok/s")
+    print(" | ".join(head))
+    for r in results:
+        print(" | ".join([r["cell"], str(r["exit"]), str(r["steps"]), fmt(r["step_s"]), fmt(r["rollout_s"]),
+                          fmt(r["old_logprobs_s"]), fmt(r["train_s"]), fmt(r["switch_s"], ".3f"),
+                          fmt(r["first_offload_s"], ".3f"), fmt(r["steady_offload_s"], ".3f"),
+                          fmt(r["kv_wake_s"], ".3f"), fmt(r["peak_gb"], ".1f"), fmt(r["moved_gb"], ".1f"),
+                          fmt(r["slept"], ".0f"), fmt(r["micro_batches"], ".0f"), fmt(r["tokens_per_s"], ".0f")]))
+    if skipped:
+        print(f"not run (time budget): {','.join(skipped)}")
+    return 0 if all(r["exit"] == 0 for r in results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

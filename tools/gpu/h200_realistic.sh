@@ -1,0 +1,63 @@
+#!/usr/bin/env bash
+# The switch at realistic shapes on one H200, in few full calls. Here first: tools/gpu/make_wheels.sh (.whl/,
+# from the committed tree) and ../shared/tools/vllm-on-h200/make_chunks.sh (.carry/). Then device calls, back to
+# back (a warm machine keeps /tmp): carry .carry/c01 .. c04 with
+# `mkdir -p /tmp/chunks && cp .carry/c0?/part.* /tmp/chunks/`, then carry [.carry/c05, .carry/dev, .whl] with:
+#   bash tools/gpu/h200_realistic.sh build           the random 0.5B, 1.5B and 7B presets, drawn on the GPU (timed)
+#   bash tools/gpu/h200_switch.sh switch             (the switch matrix: sync beside copy, one batched copy, own load)
+#   CELLS=... STEPS=20 bash tools/gpu/h200_realistic.sh scenario
+#                                                    GRPO cells of tools/gpu/grpo_scenario.py, 32 prompts x 8
+#   bash tools/gpu/h200_realistic.sh conformance     fsdp and deepspeed with vllm and hf in bf16, default tolerances
+#   bash tools/gpu/h200_realistic.sh profile         one sync under torch.profiler, the KV-cache wake mapped call by
+#                                                    call, and a second vLLM engine in one process
+# Output under $OUT (the device tool brings it back).
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+what=${1:?what to run}; out=${OUT:-/tmp/out}
+mkdir -p "$out"
+source tools/gpu/vllm_env.sh
+bf16='{"dtype": "bfloat16"}'
+case "$what" in
+  build)
+    nvidia-smi --query-gpu=name,memory.total,memory.used --format=csv
+    for m in ${MODELS:-qwen2-0.5b qwen2-1.5b qwen2-7b}; do
+      python3 - "$m" <<'EOF' 2>&1 | quiet
+import sys, time
+from gearshift.models import resolve_model
+t0 = time.perf_counter(); path = resolve_model(sys.argv[1])
+print(f"{sys.argv[1]}: built or found in {time.perf_counter() - t0:.1f} s at {path}")
+EOF
+    done ;;
+  scenario)
+    timeout "${LIMIT:-560}" python3 tools/gpu/grpo_scenario.py --cells "${CELLS:-7b-256-fsdp-auto}" \
+      --steps "${STEPS:-20}" --budget-s "${BUDGET:-540}" --out "$out/scenario" 2>&1 | quiet | tail -40
+    cp "$out/scenario/scenario.json" "$out/scenario-${TAG:-run}.json" 2>/dev/null ;;
+  conformance)
+    for pair in ${PAIRS:-fsdp/vllm deepspeed/vllm fsdp/hf deepspeed/hf}; do
+      t=${pair%/*}; r=${pair#*/}
+      opts='{}'; [ "$t" = deepspeed ] && opts='{"zero_stage": 3}'
+      timeout 200 python3 -m gearshift conformance --train "$t" --rollout "$r" --model qwen2-0.5b \
+        --train-options "$opts" --rollout-options "$bf16" -- -rfE -p no:logging 2>&1 | quiet \
+        | tee "$out/conformance-${t}-${r}.log" | grep -E "passed|failed|FAILED|Error" | tail -6
+    done ;;
+  profile)
+    timeout 150 python3 tools/gpu/profile_sync.py --model qwen2-0.5b --train fsdp --rollout vllm \
+      --rollout-options '{"dtype": "bfloat16", "gpu_memory_utilization": 0.3}' --rows 18 2>&1 | quiet \
+      | tee "$out/profile-sync.log" | tail -50
+    timeout 150 python3 tools/gpu/profile_wake.py --model "${WAKE_MODEL:-qwen2-7b}" 2>&1 | quiet \
+      | tee "$out/profile-wake.log" | tail -8
+    timeout 120 python3 - <<'EOF' 2>&1 | quiet | tail -4
+from gearshift import registry
+from gearshift.models import resolve_model
+path = resolve_model("qwen2-0.5b")
+first = registry.create("rollout", "vllm", model=path, dtype="bfloat16", gpu_memory_utilization=0.2)
+first.close()
+try:
+    second = registry.create("rollout", "vllm", model=path, dtype="bfloat16", gpu_memory_utilization=0.2)
+    print("a second vllm engine started in the same process after the first was closed")
+    second.close()
+except Exception as e:
+    print(f"second engine in one process: {type(e).__name__}: {e}")
+EOF
+    ;;
+esac
