@@ -16,7 +16,7 @@ GiB = 2**30
 MARGIN = 1.1  # room left beyond what is asked for: allocators round, kernels take workspaces
 
 
-class MemoryPlanError(RuntimeError):
+class MemoryPlanError(ValueError):
     """A run that cannot fit in device memory, found before it runs out; the message names what to change."""
 
 

@@ -313,7 +313,7 @@ class ModuleTrainEngine(TrainEngine):
             local = self._local(p)
             if local.device.type != "cpu":
                 trained += local.numel() * local.element_size()
-        moments = 0 if self.optimizer.state else 2 * trained
+        moments = 0 if getattr(self.optimizer, "state", None) else 2 * trained
         return trained, trained + moments + trained
 
     @torch.no_grad()
