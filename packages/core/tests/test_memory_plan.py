@@ -199,6 +199,7 @@ def test_the_default_micro_batches_fit_free_memory_or_say_what_to_change(monkeyp
     engine.device = torch.device("cuda")  # the budget is worked out for GPUs only; its memory is simulated here
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d: SimpleNamespace(total_memory=100 * GiB))
     margin = 4 * GiB  # 4% of the device
+    monkeypatch.setattr(memory, "release_cached", lambda d: 0)
     monkeypatch.setattr(memory, "device_free", lambda d, cached=True: margin + 100 * per_token)
     assert engine.token_budget(batch) == 100  # the step's own gradients are on this CPU's host here: 0 bytes
     assert [len(rows) for _, rows in engine._micro_batches(batch)] == [2, 2, 2, 2]  # 2 rows of 40 a micro-batch

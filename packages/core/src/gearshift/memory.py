@@ -16,6 +16,11 @@ GiB = 2**30
 MARGIN = 1.1  # room left beyond what is asked for: allocators round, kernels take workspaces
 
 
+#: the most tokens a micro-batch gets when the budget is worked out from free memory: beyond it a step gains
+#: little and single tensors (a micro-batch's logits over a 150k vocabulary: 15 GiB at 25k tokens) grow fragile
+MAX_AUTO_TOKENS = 16384
+
+
 class MemoryPlanError(ValueError):
     """A run that cannot fit in device memory, found before it runs out; the message names what to change."""
 

@@ -281,14 +281,17 @@ class ModuleTrainEngine(TrainEngine):
         """
         if self.device.type != "cuda" or self.args.micro_batch_size:
             return None
-        from .memory import GiB, MemoryPlanError, activation_bytes_per_token, device_free
+        from .memory import GiB, MAX_AUTO_TOKENS, MemoryPlanError, activation_bytes_per_token, device_free, release_cached
 
         per_token = activation_bytes_per_token(
             self.hf_model.config, training=training, checkpointing=self.options.gradient_checkpointing,
             compute_itemsize=self.compute_dtype.itemsize)
         total = torch.cuda.get_device_properties(self.device).total_memory
         margin = max(int(0.04 * total), GiB)
-        free = device_free(self.device)
+        # torch's cached blocks are in pieces that a micro-batch's logits (GiBs in one tensor) may not fit:
+        # count what the driver has free once they went back
+        release_cached(self.device)
+        free = device_free(self.device, cached=False)
         grads, update = self.step_bytes() if training else (0, 0)
         longest = int(batch.lengths.max())
         tokens = (free - grads - margin) // per_token
@@ -302,7 +305,7 @@ class ModuleTrainEngine(TrainEngine):
                 f"(rollout.options: gpu_memory_utilization for vllm, mem_fraction_static for sglang), train in "
                 f"bfloat16 (model.dtype=bfloat16), or move the optimizer off the device during rollout "
                 f"(switch.offload=optimizer,grads)")
-        return int(tokens)
+        return int(min(tokens, MAX_AUTO_TOKENS))
 
     def step_bytes(self) -> tuple[int, int]:
         """Device bytes a train step allocates beyond its activations and the state held now: the gradients
