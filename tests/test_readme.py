@@ -65,6 +65,8 @@ HOW: dict[str, tuple[str, str]] = {
     "bash tools/gpu/h200_switch.sh switch|grpo|deepspeed": ("gpu", "tools/gpu/h200_switch.sh"),
     "bash tools/gpu/deepspeed_h200.sh conformance": ("gpu", "tools/gpu/deepspeed_h200.sh"),
     "tools/gpu/split_ray.sh": ("gpu", "tools/gpu/split_ray.sh"),
+    "bash tools/gpu/h200_realistic.sh build": ("gpu", "tools/gpu/h200_realistic.sh"),
+    "bash tools/gpu/h200_realistic.sh profile": ("gpu", "tools/gpu/h200_realistic.sh"),
 }
 
 
