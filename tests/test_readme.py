@@ -47,6 +47,7 @@ HOW: dict[str, tuple[str, str]] = {
     "gearshift train my.yaml run.placement=split run.ray_address=auto run.pools.train=8 run.pools.rollout=8 "
     "model.path=/shared/models/m run.output_dir=/shared/runs/r": ("parse", "a cluster's shared folders"),
     "gearshift train algorithm.name=ppo run.seed=3": ("check", ""),
+    "gearshift bench step rollout.backend=hf train.backend=torch --steps 6": ("run", "% of the step"),
     "gearshift bench switch --train torch --rollout hf --model bench100m": ("run", "naive"),
     "gearshift bench rollout --backends hf,vllm": ("run", "vllm"),
     "gearshift bench train --backends torch,fsdp": ("run", "fsdp"),

@@ -73,3 +73,18 @@ def test_env_states_the_backend_contract(capsys):
     assert main(["env"]) == 0
     row = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("backend contract"))
     assert row.split()[-1] == str(contract.VERSION)
+
+
+def test_bench_step_splits_a_step_into_its_phases_and_the_loops_own_time(gearshift_model, tmp_path, capsys):
+    import json
+
+    out = tmp_path / "step.json"
+    assert main(["bench", "step", f"model.path={gearshift_model}", "rollout.backend=hf", "train.backend=torch",
+                 "run.prompts_per_step=4", "rollout.n=2", "rollout.max_tokens=3", f"run.output_dir={tmp_path}",
+                 "--steps", "3", "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "rollout" in printed and "loop" in printed and "% of the step" in printed
+    result = json.loads(out.read_text())
+    assert result["steps"] == 2 and {"step", "rollout", "reward", "train", "loop"} <= set(result)
+    parts = sum(result.get(k, 0) for k in ("rollout", "reward", "train", "switch_to_rollout", "switch_to_train"))
+    assert result["loop"] == pytest.approx(result["step"] - parts, abs=0.05 * result["step"] + 1e-3)

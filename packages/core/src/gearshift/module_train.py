@@ -354,7 +354,11 @@ class ModuleTrainEngine(TrainEngine):
             self._backward(loss * weight)
             computed += 0 if rows is None else mb.size * mb.width
             for k, v in {"loss": float(loss.detach()), **metrics}.items():  # a filler adds its keys, at 0
-                totals[k] = totals.get(k, 0.0) + float(v) * weight
+                if k.endswith("_max"):  # an extreme over the micro-batches, not a weighted sum
+                    totals[k] = max(totals.get(k, float("-inf")), float(v) if rows is not None else float("-inf"))
+                else:
+                    totals[k] = totals.get(k, 0.0) + float(v) * weight
+        totals = {k: (0.0 if v == float("-inf") else v) for k, v in totals.items()}  # a rank of fillers only
         totals["grad_norm"] = self._clip_and_step()
         if not self.options.keep_grads:  # recomputed from zero at the next step: their memory is free till then
             self.optimizer.zero_grad(set_to_none=True)

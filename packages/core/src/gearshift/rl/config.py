@@ -157,6 +157,10 @@ class AlgorithmConfig:
     rollout_correction_cap: float = 2.0  # C: tis weights min(ratio, C); mis keeps ratios in [1/C, C]
     # run.placement=split: rollout of step k+1 runs while step k trains, on samples up to this many updates old
     off_policy_steps: int = 0
+    # the trainer's logprobs of the sampled tokens before the update: auto takes them from the training forward
+    # itself (detached) when the batch trains once, in one mini-batch, with no rollout correction and no KL in
+    # the reward (the ratio is then exactly 1); recompute always runs the separate forward pass
+    old_logprobs: str = "auto"
 
 
 @dataclass
@@ -275,6 +279,8 @@ class Config:
             problems.append(f"algorithm.name={a.name!r}: use 'grpo' or 'ppo'")
         if a.name == "grpo" and r.n < 2:
             problems.append(f"rollout.n={r.n}: GRPO compares samples of one prompt, so use n >= 2")
+        if a.old_logprobs not in ("auto", "recompute"):
+            problems.append(f"algorithm.old_logprobs={a.old_logprobs!r}: use auto or recompute")
         if a.rollout_correction not in CORRECTIONS:
             problems.append(f"algorithm.rollout_correction={a.rollout_correction!r}: use one of "
                             f"{', '.join(CORRECTIONS)}")

@@ -70,18 +70,22 @@ class Learner:
         mask = batch.loss_mask
         group_ids = torch.tensor([x.prompt_index for x in kept])
         reward_t = torch.tensor(rewards, dtype=torch.float32)
-        with timed("old_logprobs"):
-            old = self.policy.forward_logprobs(batch).logprobs.cpu()
-        rollout_lp = response_logprobs(kept, [x.logprobs for x in kept], old)
-        gap = (old - rollout_lp).abs() * mask
-        out = {"mismatch/logprob_max": float(gap.max()),
-               "mismatch/logprob_mean": float(gap.sum() / mask.sum().clamp(min=1))}
-        extras = {"old_logprobs": old}
-        weights, corrected = rollout_correction(old, rollout_lp, mask, mode=a.rollout_correction,
-                                                level=a.rollout_correction_level, cap=a.rollout_correction_cap)
-        out.update({f"rollout_correction/{k}": v for k, v in corrected.items()})
-        if weights is not None:
-            extras[ROLLOUT_WEIGHTS] = weights
+        rollout_lp = response_logprobs(kept, [x.logprobs for x in kept], mask)
+        out: dict[str, float] = {}
+        if self.reuses_old_logprobs():  # the training forward's own logprobs, detached, are the old ones
+            old, extras = None, {"rollout_logprobs": rollout_lp}
+        else:
+            with timed("old_logprobs"):
+                old = self.policy.forward_logprobs(batch).logprobs.cpu()
+            gap = (old - rollout_lp).abs() * mask
+            out.update({"mismatch/logprob_max": float(gap.max()),
+                        "mismatch/logprob_mean": float(gap.sum() / mask.sum().clamp(min=1))})
+            extras = {"old_logprobs": old}
+            weights, corrected = rollout_correction(old, rollout_lp, mask, mode=a.rollout_correction,
+                                                    level=a.rollout_correction_level, cap=a.rollout_correction_cap)
+            out.update({f"rollout_correction/{k}": v for k, v in corrected.items()})
+            if weights is not None:
+                extras[ROLLOUT_WEIGHTS] = weights
         token_rewards = reward_t
         ref = None
         if ref_logprobs is not None:
@@ -91,7 +95,8 @@ class Learner:
                 ref = self.reference.forward_logprobs(batch).logprobs.cpu()
         if ref is not None:
             extras["ref_logprobs"] = ref
-            out["kl/ref"] = float((kl_estimate(old, ref, a.kl_estimator) * mask).sum() / mask.sum().clamp(min=1))
+            if old is not None:  # else the train step reports it (its logprobs are the old ones)
+                out["kl/ref"] = float((kl_estimate(old, ref, a.kl_estimator) * mask).sum() / mask.sum().clamp(min=1))
             if a.kl_in == "reward":
                 token_rewards, _ = kl_in_reward(reward_t, mask, old, ref, kl_coef=a.kl_coef, estimator=a.kl_estimator)
         values = None
@@ -134,4 +139,18 @@ class Learner:
                     train_metrics.append(metrics)
         keys = {k for m in train_metrics for k in m}
         out.update({f"train/{k}": _mean([m[k] for m in train_metrics if k in m]) for k in sorted(keys)})
+        if old is None:  # measured in the training forward: the same figures the separate pass gives
+            out["mismatch/logprob_mean"] = out.pop("train/mismatch_mean", 0.0)
+            out["mismatch/logprob_max"] = out.pop("train/mismatch_max", 0.0)
+            if "train/kl" in out:
+                out["kl/ref"] = out["train/kl"]
         return out
+
+    def reuses_old_logprobs(self) -> bool:
+        """Whether the step takes its old logprobs from the training forward rather than a pass of their own:
+        the batch trains once, in one mini-batch, so the logprobs before the update are those the update's
+        forward computes; nothing needs them before it (no rollout correction, no KL in the reward)."""
+        cfg, a = self.config, self.config.algorithm
+        return (a.old_logprobs == "auto" and a.epochs == 1 and cfg.mini_batches() == 1
+                and (self.critic is None or (a.critic_epochs or a.epochs) == 1)
+                and a.rollout_correction == "none" and not (a.kl_in == "reward" and a.kl_coef > 0))

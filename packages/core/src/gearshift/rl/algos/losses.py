@@ -17,6 +17,9 @@ The builders add the KL and entropy terms, aggregate, and read the batch:
   ref_logprobs   [B, T]  the frozen reference; required when the KL is in the loss
   tokens_per_seq [B]     optional, see `aggregate`: exact token means under micro-batching
   rollout_weights [B, T] optional, see `correction.py`: each token's policy-gradient loss is multiplied by it
+  rollout_logprobs [B, T] optional: the rollout engine's logprobs of the sampled tokens; their gap to the
+                         trainer's is reported (mismatch_mean, mismatch_max), for a step that computes no
+                         old logprobs of its own
 """
 
 from __future__ import annotations
@@ -141,6 +144,11 @@ def make_policy_loss_fn(name: str = "ppo_clip", *, kl_coef: float = 0.0, kl_esti
         pg_loss = aggregate(token_losses, mask, agg, norm)
         loss = pg_loss
         metrics = {"pg_loss": float(pg_loss.detach()), **{k: float(v) for k, v in stats.items()}}
+        if "rollout_logprobs" in batch.extras:  # the rollout engine's logprobs beside the trainer's, as drawn
+            with torch.no_grad():
+                gap = (logp.detach() - _extra(batch, "rollout_logprobs", "").to(logp.dtype)).abs() * mask
+                metrics["mismatch_mean"] = float(aggregate(gap, mask, "token_mean", norm))
+                metrics["mismatch_max"] = float(gap.max()) if gap.numel() else 0.0
         if use_kl or "ref_logprobs" in batch.extras:
             ref = _extra(batch, "ref_logprobs", "the reference model's logprobs, for the KL term")
             kl = aggregate(kl_estimate(logp, ref.to(logp.dtype), kl_estimator), mask, agg, norm)
