@@ -14,6 +14,8 @@ from gearshift_fsdp.engine import FSDPTrainEngine
 
 # the suite compares with fp32 references (on a GPU the default computes in bf16); a launcher may add options
 OPTIONS = {"param_dtype": "float32", **json.loads(os.environ.get("GEARSHIFT_FSDP_OPTIONS", "{}"))}
+#: the rollout engine's mesh, set by a launcher (tp=2: each rank keeps its slice); default dp over every rank
+ROLLOUT_MESH = os.environ.get("GEARSHIFT_HF_MESH") or None
 
 
 class TestFSDPTrain(TrainEngineSuite):
@@ -33,4 +35,4 @@ class TestFSDPWithHFRollout(PairSuite):
     @pytest.fixture(scope="class")
     @classmethod
     def rollout_engine(cls, gearshift_model):
-        return HFRolloutEngine.build(gearshift_model)
+        return HFRolloutEngine.build(gearshift_model, mesh=ROLLOUT_MESH)

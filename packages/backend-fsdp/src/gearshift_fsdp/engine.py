@@ -71,11 +71,11 @@ class FSDPTrainEngine(ModuleTrainEngine):
         if self.mesh.pp != 1:
             raise ValueError(f"the fsdp backend has no pipeline parallelism, but mesh {self.mesh} has "
                              f"pp={self.mesh.pp}: use dp, tp and sp (for example dp={self.mesh.world_size})")
-        if self.replicate < 1 or self.mesh.dp % self.replicate:
-            raise ValueError(f"replicate={self.replicate} must divide dp={self.mesh.dp}")
         if self.replicate > 1 and (self.mesh.tp > 1 or self.mesh.sp > 1):
             raise ValueError(f"hybrid sharding (replicate={self.replicate}) runs over dp alone, but mesh "
                              f"{self.mesh} has tp or sp > 1: use replicate=1 with tp or sp")
+        if self.replicate < 1 or self.mesh.dp % self.replicate:
+            raise ValueError(f"replicate={self.replicate} must divide dp={self.mesh.dp}")
 
     @property
     def _plain_dp(self) -> bool:
