@@ -8,7 +8,7 @@ import os
 
 import pytest
 from gearshift.backends.hf_rollout import HFRolloutEngine
-from gearshift.conformance import PairSuite, TrainEngineSuite
+from gearshift.conformance import PairSuite, RolloutEngineSuite, TrainEngineSuite
 
 from gearshift_fsdp.engine import FSDPTrainEngine
 
@@ -36,3 +36,12 @@ class TestFSDPWithHFRollout(PairSuite):
     @classmethod
     def rollout_engine(cls, gearshift_model):
         return HFRolloutEngine.build(gearshift_model, mesh=ROLLOUT_MESH)
+
+
+if ROLLOUT_MESH:  # the rollout engine on the launcher's layout (tp=2: a tensor-parallel hf engine) keeps its contract
+    class TestHFRolloutOnTheLaunchMesh(RolloutEngineSuite):
+        rollout_backend = HFRolloutEngine
+        @pytest.fixture(scope="class")
+        @classmethod
+        def rollout_engine(cls, gearshift_model):
+            return HFRolloutEngine.build(gearshift_model, mesh=ROLLOUT_MESH)
