@@ -153,3 +153,14 @@ def test_fsdp_dp_two_into_hf_tp_two(tmp_path):
                            modules=["test_conformance.py::TestFSDPWithHFRollout", "test_sharding.py"])
     assert_all_passed(proc, outputs, 2, [t for t in MUST_PASS if "TestFSDPTrain" not in t and "hybrid" not in t],
                       may_skip=SKIPS)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mesh,rollout_mesh", [("tp=2", ""), ("sp=2", "tp=2")])
+def test_lora_with_tensor_and_sequence_parallelism(mesh, rollout_mesh, tmp_path):
+    """LoRA's adapters cut with their layers (B of a column-parallel layer, A of a row-parallel one)."""
+    env = {"GEARSHIFT_FSDP_OPTIONS": json.dumps({"mesh": mesh, "lora_r": 4, "lora_alpha": 8}),
+           "GEARSHIFT_HF_MESH": rollout_mesh}
+    proc, outputs = launch(2, tmp_path, env, ("--gearshift-model", "tiny4h", "-k", "not TestHFRolloutOnTheLaunchMesh"),
+                           modules=["test_conformance.py"])
+    assert_all_passed(proc, outputs, 2, [t for t in MUST_PASS if t.startswith("Test")], may_skip=SKIPS)
