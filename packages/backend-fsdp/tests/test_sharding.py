@@ -98,7 +98,8 @@ def test_plan_to_hf_rollout_sends_point_to_point(engine, gearshift_model):
     remote = [t for ts in plan.transfers.values() for t in ts if t.src != t.dst]
     if world > 1:  # each rank holds a part, so each receives the rest from others
         assert all(any(t.dst == r for t in remote) for r in range(world))
-        assert sum(plan.bytes_sent_remote(r) for r in range(world)) >= plan.bytes_received(rank) // 2
+        if all(p.placement.is_replicated() for p in rollout.weight_spec()):  # whole replicas: half comes from afar
+            assert sum(plan.bytes_sent_remote(r) for r in range(world)) >= plan.bytes_received(rank) // 2
     else:
         assert not remote
 

@@ -82,7 +82,8 @@ LAYOUTS = {
     "tp": ({"mesh": "tp=2"}, "", "tiny4h"),
     "sp": ({"mesh": "sp=2"}, "tp=2", "tiny4h"),
 }
-SKIPS = ("resharding to a smaller group", "copies by default", "no adapter sync for this pair", "over dp alone")
+SKIPS = ("resharding to a smaller group", "copies by default", "no adapter sync for this pair", "over dp alone",
+         "serves lent tensors")
 
 
 def layout_env(layout: str, handoff: Path) -> tuple[dict[str, str], tuple[str, ...]]:

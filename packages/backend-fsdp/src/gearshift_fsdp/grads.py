@@ -37,14 +37,14 @@ def total_norm(grads: Sequence[torch.Tensor]) -> torch.Tensor:
             for size, p in zip(g.device_mesh.shape, g.placements):
                 if p.is_shard() or type(p).__name__ == "_StridedShard":
                     copies //= size
-        squares.append(local.detach().float().pow(2).sum() / copies)
+        squares.append(local.detach().double().pow(2).sum() / copies)  # in float64: many terms, little loss
     total = torch.stack(squares).sum() if squares else torch.zeros(())
     if world > 1:
         from gearshift import dist as gdist
 
         total = total.to(gdist.collective_device())
         dist.all_reduce(total)
-    return total.sqrt()
+    return total.sqrt().float()
 
 
 def clip_by_norm(params: Sequence[torch.Tensor], max_norm: float | None) -> float:
