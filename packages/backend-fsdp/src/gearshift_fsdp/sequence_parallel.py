@@ -7,7 +7,8 @@ token: around it an all-to-all turns [tokens / sp, all heads] into [all tokens,
 heads / sp], the model's own attention runs on that, and a second all-to-all
 turns it back. The attention mask of the whole sequence (causal, padding) is
 made once per batch and passed in as a prepared 4-D mask, which transformers
-hands to every layer as it is.
+hands to every layer as it is; a batch without padding goes with none, sdpa's
+causal flag saying it all.
 
 Each rank then gathers the per-token log-probabilities (or values) of the whole
 batch, a few numbers per token, and computes the loss on all of them, the same
@@ -125,6 +126,7 @@ def use_ulysses_attention(hf_model: nn.Module, group) -> str:
     """Register the Ulysses attention over `group` (the sp ranks) around the model's own implementation, and
     switch the model to it; returns its name in transformers' `AttentionInterface`."""
     from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
     from transformers.models.llama.modeling_llama import eager_attention_forward
 
@@ -138,6 +140,9 @@ def use_ulysses_attention(hf_model: nn.Module, group) -> str:
     inner = eager_attention_forward if inner_name == "eager" else ALL_ATTENTION_FUNCTIONS[inner_name]
     name = f"gearshift_ulysses_{inner_name}_{next(_names)}"
     AttentionInterface.register(name, ulysses_attention(inner, group))
+    # the model is given the whole sequence's mask ready-made, or none (causal, no padding: see `forward`);
+    # a mask made from this rank's slice alone would be wrong, so none is ever made
+    AttentionMaskInterface.register(name, _no_mask)
     _INNER[name] = inner_name
     hf_model.config._attn_implementation = name
     return name
@@ -145,6 +150,10 @@ def use_ulysses_attention(hf_model: nn.Module, group) -> str:
 
 #: name of each registered Ulysses attention -> the implementation it wraps (which decides the mask's form)
 _INNER: dict[str, str] = {}
+
+
+def _no_mask(*args, **kwargs):
+    return None
 
 
 def full_mask(attention_mask: torch.Tensor, inner: str, dtype: torch.dtype) -> torch.Tensor:
@@ -170,7 +179,10 @@ def forward(model: nn.Module, batch: TrainBatch, sp_mesh, with_entropy: bool, va
     local = split_length(wide, sp)
     start, stop = rank * local, (rank + 1) * local
     dtype = next(model.parameters()).dtype
-    mask = full_mask(attn, _INNER.get(model.config._attn_implementation, "sdpa"), dtype)
+    inner = _INNER.get(model.config._attn_implementation, "sdpa")
+    # without padding, sdpa is told the attention is causal and takes no mask: its fused kernels keep no
+    # [T, T] scores, as the model's own does for such a batch
+    mask = None if inner == "sdpa" and bool(attn[:, :width].all()) and wide == width else full_mask(attn, inner, dtype)
     out = model(input_ids=ids[:, start:stop], attention_mask=mask, position_ids=position_ids(attn)[:, start:stop],
                 use_cache=False)
     if value_head:  # values[:, t]: the value of the prefix before token t, as the one-process engine aligns them
