@@ -111,6 +111,16 @@ class SwitchBench:
         if self.adapter is not None:
             lines.append(f"{'adapter sync (the adapter alone)':<38}{self.adapter_sync_s:10.4f} s  "
                          f"{self.adapter_bytes / 1e6:.2f} MB instead of {self.bytes / 1e6:.1f} MB")
+        if gdist.world_size() > 1 and "from_other_ranks" in self.extra:
+            lines.append(f"{'this rank, train ' + self.extra['train_mesh'] + ' -> rollout ' + self.extra['rollout_mesh']:<38}"
+                         f"{self.extra['from_other_ranks'] / 1e6:10.3f} MB from other ranks, "
+                         f"{self.extra['to_other_ranks'] / 1e6:.3f} MB to them")
+        if "whole_bytes" in self.extra:
+            whole, s = self.extra["whole_bytes"], self.extra["whole_sync_s"]
+            lines.append(f"{'received per rank, slices declared':<38}{self.bytes / 1e6:10.3f} MB  "
+                         f"{self.bytes / whole:.3f}x the {whole / 1e6:.3f} MB of whole weights "
+                         f"({self.extra['whole_from_other_ranks'] / 1e6:.3f} MB of them from other ranks)")
+            lines.append(f"{'sync with whole weights declared':<38}{s:10.4f} s  sync is {self.sync_s / s:.2f}x")
         return "\n".join(lines)
 
     def plot(self, path: str | Path) -> bool:
@@ -249,18 +259,23 @@ def measure_pair(train, rollout, switches: int = 5, naive_switches: int = 3, nai
         host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t) for t in src]
         pcie_s = _median_seconds(lambda: [d.copy_(h, non_blocking=True) for d, h in zip(dst, host)], max(switches, 3))
         del host
+    sent, received = plan.peer_bytes(gdist.rank())
     return SwitchBench(*labels, plan.bytes_received(gdist.rank()), median_report(ups), median_report(downs),
-                       median_report(naive), copy_s, engine_load_s, pcie_s, adapter)
+                       median_report(naive), copy_s, engine_load_s, pcie_s, adapter,
+                       extra={"train_mesh": str(plan.src.mesh), "rollout_mesh": str(plan.dst.mesh),
+                              "from_other_ranks": sum(received.values()), "to_other_ranks": sum(sent.values())})
 
 
 def measure_switch(train_name: str, rollout_name: str, model: str, switches: int = 5, naive_switches: int = 3,
                    train_options: dict | None = None, rollout_options: dict | None = None,
                    naive_dir: str | None = None, progress: bool = True, share: bool | None = None,
-                   offload: str | list[str] = "auto", lora_r: int = 0) -> SwitchBench:
+                   offload: str | list[str] = "auto", lora_r: int = 0, against_whole: bool = False) -> SwitchBench:
     """Build the pair on `model` (a folder or preset) and measure it with `measure_pair`.
 
     `lora_r`: the trainer trains LoRA adapters of this rank, and a rollout engine that serves adapters
-    is built to take them, so the adapter sync is measured beside the merged one.
+    is built to take them, so the adapter sync is measured beside the merged one. `against_whole`: the
+    rollout engine is built again declaring whole weights (`tp_slices=False`) and measured too, so the
+    bytes each rank receives with its tensor-parallel slices declared compare with whole weights.
     """
     from .models import resolve_model
 
@@ -274,8 +289,17 @@ def measure_switch(train_name: str, rollout_name: str, model: str, switches: int
     train = registry.create("train", train_name, model=path, **train_options)
     rollout = registry.create("rollout", rollout_name, model=path, **rollout_options)
     try:
-        return measure_pair(train, rollout, switches, naive_switches, naive_dir, progress,
-                            (train_name, rollout_name, model), share, offload)
+        bench = measure_pair(train, rollout, switches, naive_switches, naive_dir, progress,
+                             (train_name, rollout_name, model), share, offload)
+        if against_whole:
+            rollout.close()
+            rollout = registry.create("rollout", rollout_name, model=path, **rollout_options, tp_slices=False)
+            whole = measure_pair(train, rollout, switches, naive_switches, naive_dir, progress,
+                                 (train_name, rollout_name, model), share, offload)
+            bench.extra.update(whole_bytes=whole.bytes, whole_sync_s=whole.sync_s,
+                               whole_from_other_ranks=whole.extra["from_other_ranks"],
+                               whole_to_rollout=whole.to_rollout.to_dict())
+        return bench
     finally:
         train.close()
         rollout.close()
@@ -298,6 +322,9 @@ def _switch_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lora-r", type=int, default=0,
                    help="train LoRA adapters of this rank: the sync sends merged weights, and a rollout engine "
                         "that serves adapters (vllm) is also measured taking the adapter alone")
+    p.add_argument("--against-whole", action="store_true",
+                   help="also measure the rollout engine declaring whole weights (tp_slices=false), in the same run: "
+                        "the bytes each rank receives with its tensor-parallel slices against whole weights")
     p.add_argument("--out", default="runs/bench", help="folder for the JSON and PNG (default runs/bench)")
 
 
@@ -314,7 +341,8 @@ def _offload_arg(text: str) -> str | list[str]:
 def bench_switch(args: argparse.Namespace) -> int:
     bench = measure_switch(args.train, args.rollout, args.model, args.switches, args.naive_switches,
                            json.loads(args.train_options), json.loads(args.rollout_options),
-                           share=SHARE_CHOICES[args.share], offload=_offload_arg(args.offload), lora_r=args.lora_r)
+                           share=SHARE_CHOICES[args.share], offload=_offload_arg(args.offload), lora_r=args.lora_r,
+                           against_whole=args.against_whole)
     if gdist.rank() == 0:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
