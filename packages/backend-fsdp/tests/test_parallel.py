@@ -63,3 +63,20 @@ def test_tp_and_sp_on_two_ranks_equal_the_one_process_step(model, tmp_path):
 
 def test_dp_by_tp_and_dp_by_sp_on_four_ranks_equal_the_one_process_step(model, tmp_path):
     check(run(4, model, ["dp=2,tp=2", "dp=2,sp=2"], tmp_path / "logs"))
+
+
+def test_sequence_parallelism_splits_the_activations_of_a_long_sequence(model, tmp_path):
+    """`gearshift bench train` with dp=2 and sp=2 in one run: each rank holds whole sequences, or half of each."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "GEARSHIFT_DIST_TIMEOUT": "120"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
+           "--master_port", str(free_port()), "-m", "gearshift", "bench", "train", "--backends", "fsdp",
+           "--model", model, "--batch-size", "2", "--seq-len", "1024", "--steps", "1", "--mesh", "dp=2",
+           "--mesh", "sp=2", "--options", json.dumps({"fsdp": {"param_dtype": "float32"}})]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = [line.split() for line in proc.stdout.splitlines() if line.strip().startswith("fsdp")]
+    header = next(line.split() for line in proc.stdout.splitlines() if line.strip().startswith("backend"))
+    peak = {row[header.index("mesh")]: float(row[header.index("step_peak_mb")]) for row in lines}
+    print(f"step peak per rank: dp=2 {peak['dp=2']:.1f} MB, sp=2 {peak['sp=2']:.1f} MB "
+          f"({peak['sp=2'] / peak['dp=2']:.2f}x)")
+    assert peak["sp=2"] < 0.75 * peak["dp=2"]
