@@ -81,7 +81,8 @@ def check(model_path: str, mesh: MeshSpec, padded: bool = True) -> dict:
     return {"mesh": str(mesh), "padded": padded, "rank": gdist.rank(), "loss": metrics["loss"], "ref_loss": loss,
             "grad_diff": worst(grads, ref_grads), "grad_scale": max(float(g.abs().max()) for g in ref_grads.values()),
             "same_names": sorted(grads) == sorted(ref_grads),
-            "shapes_ok": shapes_ok, "slices_ok": slices_ok, "tp_sharded": len(sharded), "placements": {p.name: str(p.placement) for p in spec}}
+            "shapes_ok": shapes_ok, "slices_ok": slices_ok, "tp_sharded": len(sharded),
+            "placements": {p.name: str(p.placement) for p in spec}}
 
 
 def main() -> None:

@@ -48,7 +48,8 @@ def model(tmp_path_factory):
 
 def check(results: list[dict]) -> None:
     for r in results:
-        print(f"{r['mesh']}{'' if r['padded'] else ' (no padding)'} rank {r['rank']}: loss {r['loss']:.7f} (one process {r['ref_loss']:.7f}), "
+        print(f"{r['mesh']}{'' if r['padded'] else ' (no padding)'} rank {r['rank']}: loss {r['loss']:.7f} "
+              f"(one process {r['ref_loss']:.7f}), "
               f"largest gradient difference {r['grad_diff']:.2g} of gradients up to {r['grad_scale']:.2g}")
         assert r["same_names"] and r["shapes_ok"] and r["slices_ok"], r
         assert r["loss"] == pytest.approx(r["ref_loss"], rel=1e-6, abs=0)

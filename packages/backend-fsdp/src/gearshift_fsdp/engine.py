@@ -95,7 +95,8 @@ class FSDPTrainEngine(ModuleTrainEngine):
             if self.mesh.tp > 1:
                 from gearshift.tensor_parallel import parallelize_tensor
 
-                self._partial_grads = list(parallelize_tensor(model, self.hf_model, self.world_mesh["tp"]).partial_grads)
+                applied = parallelize_tensor(model, self.hf_model, self.world_mesh["tp"])
+                self._partial_grads = list(applied.partial_grads)
         return parallelize_causal_lm(
             model,
             mesh=self.device_mesh,

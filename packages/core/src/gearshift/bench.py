@@ -112,8 +112,8 @@ class SwitchBench:
             lines.append(f"{'adapter sync (the adapter alone)':<38}{self.adapter_sync_s:10.4f} s  "
                          f"{self.adapter_bytes / 1e6:.2f} MB instead of {self.bytes / 1e6:.1f} MB")
         if gdist.world_size() > 1 and "from_other_ranks" in self.extra:
-            lines.append(f"{'this rank, train ' + self.extra['train_mesh'] + ' -> rollout ' + self.extra['rollout_mesh']:<38}"
-                         f"{self.extra['from_other_ranks'] / 1e6:10.3f} MB from other ranks, "
+            layouts = f"this rank, train {self.extra['train_mesh']} -> rollout {self.extra['rollout_mesh']}"
+            lines.append(f"{layouts:<38}{self.extra['from_other_ranks'] / 1e6:10.3f} MB from other ranks, "
                          f"{self.extra['to_other_ranks'] / 1e6:.3f} MB to them")
         if "whole_bytes" in self.extra:
             whole, s = self.extra["whole_bytes"], self.extra["whole_sync_s"]
