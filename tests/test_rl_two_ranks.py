@@ -55,3 +55,24 @@ def test_a_rank_whose_samples_are_all_dropped_does_not_hang_the_others(gearshift
     assert [r["step"] for r in rows] == [1, 2]
     assert all(r["train/skipped"] == 1.0 and "train/pg_loss" not in r for r in rows)
     assert "not trained" in proc.stdout
+
+
+@pytest.mark.parametrize("layout", [("train.mesh=tp=2", "rollout.mesh=tp=2"), ("train.mesh=sp=2",),
+                                    ("train.mesh=dp=2", "rollout.mesh=tp=2")], ids=" ".join)
+def test_grpo_with_tensor_and_sequence_parallelism(layout, tmp_path):
+    """tp and sp peers get the same prompts and samples; a tp rollout engine's ranks generate together."""
+    if not any(b.name == "fsdp" and b.ready for b in registry.list_backends("train")):
+        pytest.skip("gearshift-fsdp not installed")
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(_free_port()),
+           "-m", "gearshift", "train", "model.path=tiny4h", "train.backend=fsdp", "rollout.backend=hf", *layout,
+           "run.steps=2", "run.prompts_per_step=4", "rollout.n=2", "rollout.max_tokens=3", "run.checkpoint_every=2",
+           f"run.output_dir={out}", "run.progress=false", "run.tensorboard=false", "run.plot=false"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "GEARSHIFT_CACHE": str(tmp_path / "cache"),
+           "GEARSHIFT_DIST_TIMEOUT": "120"}
+    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    rows = read_jsonl(out / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [1, 2] and all(r["train/skipped"] == 0.0 for r in rows)
+    assert all(r["mismatch/logprob_max"] < 1e-4 for r in rows)  # the rollout engine serves the trainer's weights
+    assert (out / "checkpoints" / "step_000002" / "COMPLETE").exists()

@@ -8,12 +8,14 @@ import os
 
 import pytest
 from gearshift.backends.hf_rollout import HFRolloutEngine
-from gearshift.conformance import PairSuite, TrainEngineSuite
+from gearshift.conformance import PairSuite, RolloutEngineSuite, TrainEngineSuite
 
 from gearshift_fsdp.engine import FSDPTrainEngine
 
 # the suite compares with fp32 references (on a GPU the default computes in bf16); a launcher may add options
 OPTIONS = {"param_dtype": "float32", **json.loads(os.environ.get("GEARSHIFT_FSDP_OPTIONS", "{}"))}
+#: the rollout engine's mesh, set by a launcher (tp=2: each rank keeps its slice); default dp over every rank
+ROLLOUT_MESH = os.environ.get("GEARSHIFT_HF_MESH") or None
 
 
 class TestFSDPTrain(TrainEngineSuite):
@@ -33,4 +35,13 @@ class TestFSDPWithHFRollout(PairSuite):
     @pytest.fixture(scope="class")
     @classmethod
     def rollout_engine(cls, gearshift_model):
-        return HFRolloutEngine.build(gearshift_model)
+        return HFRolloutEngine.build(gearshift_model, mesh=ROLLOUT_MESH)
+
+
+if ROLLOUT_MESH:  # the rollout engine on the launcher's layout (tp=2: a tensor-parallel hf engine) keeps its contract
+    class TestHFRolloutOnTheLaunchMesh(RolloutEngineSuite):
+        rollout_backend = HFRolloutEngine
+        @pytest.fixture(scope="class")
+        @classmethod
+        def rollout_engine(cls, gearshift_model):
+            return HFRolloutEngine.build(gearshift_model, mesh=ROLLOUT_MESH)

@@ -7,6 +7,7 @@ Prints one line `RESULT {json}` per rank.
 """
 
 import json
+import math
 import sys
 
 import torch
@@ -55,7 +56,7 @@ def main() -> None:
     engine = VLLMRolloutEngine.build(model, mesh=mesh, cache_dir=cache, kv_cache_bytes=64 << 20)
     # dp: each rank serves its own share (of different sizes); tp: both ranks serve the same prompts
     prompts = (PROMPTS[:1] if rank == 0 else PROMPTS[1:]) if mode == "dp" else PROMPTS
-    original = reference_weights(model, engine.weight_spec())
+    original = reference_weights(model, engine.weight_spec().replicated())  # whole: sync cuts them as trained
     before = engine.generate(prompts, GREEDY)
     changed = perturbed(original, scale=0.05)  # a training-sized change: huge logits would measure fp32 rounding
     loaded = sync(engine, changed, rank)
@@ -68,6 +69,8 @@ def main() -> None:
     result = {
         "rank": rank, "mode": mode, "mesh": str(engine.mesh), "spec_mesh": str(engine.weight_spec().mesh),
         "prompts": len(prompts), "loaded_bytes": loaded, "spec_bytes": engine.weight_spec().nbytes,
+        "local_bytes": sum(p.dtype.itemsize * math.prod(p.placement.local_shape(p.shape, rank))
+                           for p in engine.weight_spec()),
         "diff_before": transformers_diff(model, before, {}),
         "diff_after": transformers_diff(model, after + sampled, changed),
         "changed": [r.token_ids for r in after] != [r.token_ids for r in before],

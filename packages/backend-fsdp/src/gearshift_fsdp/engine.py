@@ -1,9 +1,11 @@
-"""Train backend `fsdp`: PyTorch FSDP2 (`fully_shard`) over the dp ranks, any `AutoModelForCausalLM`.
+"""Train backend `fsdp`: PyTorch FSDP2 (`fully_shard`) over the dp ranks, any `AutoModelForCausalLM`;
+tensor parallelism (`mesh` tp > 1, the model's own plan) and Ulysses sequence parallelism (sp > 1) beside it.
 
 It is the core's `ModuleTrainEngine` with its sharding hooks filled in: the
-model is sharded by `parallelize_causal_lm`, the weight spec describes the
-DTensor shards (so the core's plan and stream do any export, point to point),
-and offload, checkpoints and clipping know the state is sharded.
+model is sharded by `parallelize_causal_lm` (after `parallelize_tensor` with
+tp), the weight spec describes the DTensor shards (so the core's plan and
+stream do any export, point to point), and offload, checkpoints and clipping
+know the state is sharded. Ranks of one tp or sp group are given the same batch.
 """
 
 from __future__ import annotations
@@ -24,7 +26,9 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 from torch.distributed.tensor import DTensor
 
-from .parallelize import build_dp_mesh, parallelize_causal_lm, reshard
+from . import sequence_parallel as ulysses
+from .grads import clip_by_norm, sum_partial_grads
+from .parallelize import build_device_mesh, build_dp_mesh, fsdp_mesh, parallelize_causal_lm, reshard
 from .placement import placement_of
 
 
@@ -66,14 +70,35 @@ class FSDPTrainEngine(ModuleTrainEngine):
 
     # --- sharding hooks -------------------------------------------------------------------
     def _check_mesh(self) -> None:
-        if self.mesh.dp != self.mesh.world_size:
-            raise ValueError(f"the fsdp backend shards over dp ranks only, but mesh {self.mesh} has "
-                             f"tp/pp/sp > 1: use mesh dp={self.mesh.world_size}")
+        if self.mesh.pp != 1:
+            raise ValueError(f"the fsdp backend has no pipeline parallelism, but mesh {self.mesh} has "
+                             f"pp={self.mesh.pp}: use dp, tp and sp (for example dp={self.mesh.world_size})")
+        if self.replicate > 1 and (self.mesh.tp > 1 or self.mesh.sp > 1):
+            raise ValueError(f"hybrid sharding (replicate={self.replicate}) runs over dp alone, but mesh "
+                             f"{self.mesh} has tp or sp > 1: use replicate=1 with tp or sp")
         if self.replicate < 1 or self.mesh.dp % self.replicate:
             raise ValueError(f"replicate={self.replicate} must divide dp={self.mesh.dp}")
 
+    @property
+    def _plain_dp(self) -> bool:
+        return self.mesh.tp == 1 and self.mesh.sp == 1
+
     def _parallelize(self, model: torch.nn.Module) -> torch.nn.Module:
-        self.device_mesh = build_dp_mesh(self.mesh, self.device.type, self.replicate)
+        #: parameters whose gradients each tp rank computes only in part (summed over tp after backward)
+        self._partial_grads: list[str] = []
+        if self._plain_dp:
+            self.device_mesh = build_dp_mesh(self.mesh, self.device.type, self.replicate)
+        else:
+            self.world_mesh = build_device_mesh(self.mesh, self.device.type)
+            self.device_mesh = fsdp_mesh(self.world_mesh)
+            if self.mesh.sp > 1:
+                ulysses.check_heads(self.hf_model.config, sp=self.mesh.sp, tp=self.mesh.tp)
+                ulysses.use_ulysses_attention(self.hf_model, self.world_mesh["sp"].get_group())
+            if self.mesh.tp > 1:
+                from gearshift.tensor_parallel import parallelize_tensor
+
+                applied = parallelize_tensor(model, self.hf_model, self.world_mesh["tp"])
+                self._partial_grads = list(applied.partial_grads)
         return parallelize_causal_lm(
             model,
             mesh=self.device_mesh,
@@ -81,6 +106,8 @@ class FSDPTrainEngine(ModuleTrainEngine):
             reduce_dtype=self.reduce_dtype,
             reshard_after_forward=self.options.reshard_after_forward,
             cpu_offload=self.options.cpu_offload,
+            # sequence-parallel ranks each hold a part of the same sequences: their gradients add up
+            gradient_divide_factor=float(self.mesh.dp) if self.mesh.sp > 1 else None,
         )
 
     def _placement(self, name: str, param: torch.Tensor) -> Placement:
@@ -88,6 +115,22 @@ class FSDPTrainEngine(ModuleTrainEngine):
 
     def _local(self, tensor: torch.Tensor) -> torch.Tensor:
         return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+    def _clip_and_step(self) -> float:
+        if self._plain_dp:
+            return super()._clip_and_step()
+        if self._partial_grads:
+            named = dict(self.model.named_parameters())
+            sum_partial_grads([named[n] for n in self._partial_grads], self.world_mesh["tp"].get_group())
+        norm = clip_by_norm(list(self._params.values()), self.args.max_grad_norm)
+        self.optimizer.step()
+        return norm
+
+    def _forward(self, batch: TrainBatch, with_entropy: bool) -> PolicyOutput:
+        if self.mesh.sp == 1:
+            return super()._forward(batch, with_entropy)
+        return ulysses.forward(self.model, batch.to(self.device), self.world_mesh["sp"], with_entropy,
+                               value_head=self.args.value_head)
 
     # --- interface ------------------------------------------------------------------------
     def forward_logprobs(self, batch: TrainBatch, with_entropy: bool = False) -> PolicyOutput:

@@ -1,4 +1,12 @@
-"""Applying FSDP2 to a Hugging Face causal LM: the one place that decides how the model is sharded."""
+"""Applying FSDP2 (and tensor parallelism) to a Hugging Face causal LM: the one place that decides how the
+model is sharded.
+
+The torchtitan pattern: the model's tensor-parallel plan is applied first, on the
+`tp` dimension of one device mesh over every rank, then FSDP shards what each
+rank holds over the rest: `dp`, or `dp` x `sp` flattened into one dimension
+(sequence-parallel peers hold the same weights, so FSDP may as well shard them
+over those ranks too).
+"""
 
 from __future__ import annotations
 
@@ -19,6 +27,20 @@ def build_dp_mesh(mesh: MeshSpec, device_type: str, replicate: int = 1) -> Devic
     return init_device_mesh(device_type, (replicate, mesh.dp // replicate), mesh_dim_names=("dp_replicate", "dp_shard"))
 
 
+def build_device_mesh(mesh: MeshSpec, device_type: str) -> DeviceMesh:
+    """One device mesh over every rank, dimensions (`dp`, `sp`, `tp`) in the core's rank order (size 1 kept)."""
+    if mesh.pp != 1:
+        raise MeshError(f"the fsdp backend has no pipeline parallelism: mesh {mesh} has pp={mesh.pp}; use pp=1")
+    return init_device_mesh(device_type, (mesh.dp, mesh.sp, mesh.tp), mesh_dim_names=("dp", "sp", "tp"))
+
+
+def fsdp_mesh(world: DeviceMesh) -> DeviceMesh:
+    """The mesh FSDP shards over: `dp`, or `dp` x `sp` flattened (named `dp_sp`) when sp > 1."""
+    if world["sp"].size() == 1:
+        return world["dp"]
+    return world["dp", "sp"]._flatten("dp_sp")
+
+
 def decoder_layers(model: nn.Module) -> list[nn.Module]:
     """The blocks to shard one by one: the classes the model (or one it wraps) lists in `_no_split_modules`."""
     names = {n for m in model.modules() for n in (getattr(m, "_no_split_modules", None) or ())}
@@ -37,6 +59,7 @@ def parallelize_causal_lm(
     reduce_dtype: torch.dtype | None = None,
     reshard_after_forward: bool | int = True,
     cpu_offload: bool = False,
+    gradient_divide_factor: float | None = None,
 ) -> nn.Module:
     """Shard each decoder layer, then the root, over `mesh`; returns the model, sharded in place.
 
@@ -46,7 +69,8 @@ def parallelize_causal_lm(
     choice for the root: backward needs them first). `param_dtype` and
     `reduce_dtype` set the compute and gradient-reduction dtypes (None: the
     parameters' own); `cpu_offload` keeps the sharded state in host memory and
-    runs the optimizer there.
+    runs the optimizer there. `gradient_divide_factor` replaces FSDP's mean over the mesh
+    (sequence parallelism sums its ranks' gradients and averages over dp only).
     """
     layers = decoder_layers(model)
     if not layers:
@@ -60,6 +84,11 @@ def parallelize_causal_lm(
     for layer in layers:
         fully_shard(layer, reshard_after_forward=reshard_after_forward, **options)
     fully_shard(model, **options)
+    if gradient_divide_factor is not None:
+        for module in model.modules():
+            if isinstance(module, FSDPModule):
+                module.set_gradient_divide_factor(gradient_divide_factor)
+                module.set_force_sum_reduction_for_comms(True)  # sum, then divide: gloo has no pre-scaled sum
     return model
 
 

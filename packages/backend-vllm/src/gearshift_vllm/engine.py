@@ -49,6 +49,7 @@ from gearshift.rollout import (
 from gearshift.weights import Adapter, WeightBucket, WeightError, WeightSpec
 
 from .cpu_loader import choose_layout, packed_modules, register_plain_loader
+from .tp_slices import declare_slices
 from .host import (RngState, cache_paths, call_environment, contained, default_cache_dir, default_threads,
                    engine_environment, threads)
 from .weights import UnitFeeder, landing_views, load_units, verified_landing
@@ -111,6 +112,9 @@ class VLLMRolloutEngine(RolloutEngine):
         num_threads: int | None = option(None, "torch threads while vLLM runs (None: OMP_NUM_THREADS, else 1)")
         cpu_weights: str = option("auto", "CPU weight layout: plain (written in place), packed (oneDNN, re-packed "
                                           "each sync), auto (plain for float32)", choices=("auto", "plain", "packed"))
+        tp_slices: bool = option(True, "with tp > 1, declare each rank's slice of the tensor-parallel weights, so a "
+                                       "sync sends each rank only what it keeps (False: whole weights, which "
+                                       "vLLM's loaders cut on arrival)")
         engine_kwargs: dict[str, Any] = option({}, "passed to vllm.LLM as they are")
 
     def __init__(self, args: RolloutArgs, options: "VLLMRolloutEngine.Options | None" = None) -> None:
@@ -205,6 +209,13 @@ class VLLMRolloutEngine(RolloutEngine):
         if self.cpu_weights != "packed":
             views = self._llm.collective_rpc(_landing_views, args=(self._units, layout["packed"]))[0]
             self._landing = verified_landing(views, _checkpoint(self.model_path, self._spec))
+        #: weights declared as each tp rank's slice, written straight into the views they land in
+        self._sliced: list[str] = []
+        if self.mesh.tp > 1 and opts.tp_slices and self.cpu_weights != "packed" and not args.max_lora_rank:
+            self._spec, views = declare_slices(self._llm, self._spec, self._units, layout["packed"],
+                                               _checkpoint(self.model_path, self._spec))
+            self._landing.update(views)
+            self._sliced = list(views)
         #: serving adapters, the weights vLLM's loader would take: it does not know its own LoRA-wrapped modules
         self._unlanded = [n for n in self._spec.names() if n not in self._landing] if args.max_lora_rank else []
         self.casts_on_load = self.cpu_weights != "packed"  # copy_ and vLLM's loaders cast as they copy
@@ -343,7 +354,7 @@ class VLLMRolloutEngine(RolloutEngine):
     def own_load(self, buckets: Iterable[WeightBucket]) -> int:
         """vLLM's `load_weights` (the packed CPU layout: its `reload_weights`), nothing written around it.
         Serving adapters, the in-place copy: vLLM's loader does not know its LoRA-wrapped modules."""
-        if self.args.max_lora_rank:
+        if self.args.max_lora_rank or self._sliced:  # vLLM's loader takes whole weights only
             return self.update_weights(buckets)
         if self.cpu_weights == "packed":
             return self._reload_packed(buckets)

@@ -127,6 +127,16 @@ class SwitchBench:
         if self.adapter is not None:
             lines.append(f"{'adapter sync (the adapter alone)':<38}{self.adapter_sync_s:10.4f} s  "
                          f"{self.adapter_bytes / 1e6:.2f} MB instead of {self.bytes / 1e6:.1f} MB")
+        if gdist.world_size() > 1 and "from_other_ranks" in self.extra:
+            layouts = f"this rank, train {self.extra['train_mesh']} -> rollout {self.extra['rollout_mesh']}"
+            lines.append(f"{layouts:<38}{self.extra['from_other_ranks'] / 1e6:10.3f} MB from other ranks, "
+                         f"{self.extra['to_other_ranks'] / 1e6:.3f} MB to them")
+        if "whole_bytes" in self.extra:
+            whole, s = self.extra["whole_bytes"], self.extra["whole_sync_s"]
+            lines.append(f"{'received per rank, slices declared':<38}{self.bytes / 1e6:10.3f} MB  "
+                         f"{self.bytes / whole:.3f}x the {whole / 1e6:.3f} MB of whole weights "
+                         f"({self.extra['whole_from_other_ranks'] / 1e6:.3f} MB of them from other ranks)")
+            lines.append(f"{'sync with whole weights declared':<38}{s:10.4f} s  sync is {self.sync_s / s:.2f}x")
         return "\n".join(lines)
 
     def plot(self, path: str | Path) -> bool:
@@ -160,6 +170,13 @@ class SwitchBench:
         fig.savefig(path, dpi=100)
         plt.close(fig)
         return True
+
+
+def _resolve(model: str) -> str:
+    """The model's folder, built by rank 0 alone (transformers writes a model from the main process only)."""
+    from .models import resolve_model
+
+    return gdist.broadcast_object(resolve_model(model) if gdist.rank() == 0 else None)
 
 
 def _median_seconds(fn, repeats: int) -> float:
@@ -259,23 +276,28 @@ def measure_pair(train, rollout, switches: int = 5, naive_switches: int = 3, nai
         host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t) for t in src]
         pcie_s = _median_seconds(lambda: [d.copy_(h, non_blocking=True) for d, h in zip(dst, host)], max(switches, 3))
         del host
+    sent, received = plan.peer_bytes(gdist.rank())
     return SwitchBench(*labels, plan.bytes_received(gdist.rank()), median_report(ups), median_report(downs),
-                       median_report(naive), copy_s, engine_load_s, pcie_s, adapter, foreach_s, len(src))
+                       median_report(naive), copy_s, engine_load_s, pcie_s, adapter, foreach_s, len(src),
+                       extra={"train_mesh": str(plan.src.mesh), "rollout_mesh": str(plan.dst.mesh),
+                              "from_other_ranks": sum(received.values()), "to_other_ranks": sum(sent.values())})
 
 
 def measure_switch(train_name: str, rollout_name: str, model: str, switches: int = 5, naive_switches: int = 3,
                    train_options: dict | None = None, rollout_options: dict | None = None,
                    naive_dir: str | None = None, progress: bool = True, share: bool | None = None,
-                   offload: str | list[str] = "auto", lora_r: int = 0) -> SwitchBench:
+                   offload: str | list[str] = "auto", lora_r: int = 0, against_whole: bool = False) -> SwitchBench:
     """Build the pair on `model` (a folder or preset) and measure it with `measure_pair`.
 
     `lora_r`: the trainer trains LoRA adapters of this rank, and a rollout engine that serves adapters
-    is built to take them, so the adapter sync is measured beside the merged one.
+    is built to take them, so the adapter sync is measured beside the merged one. `against_whole`: the
+    rollout engine is built again declaring whole weights (`tp_slices=False`) and measured too, so the
+    bytes each rank receives with its tensor-parallel slices declared compare with whole weights.
     """
     from .models import resolve_model
 
     gdist.init()
-    path = resolve_model(model)
+    path = _resolve(model)
     train_options, rollout_options = dict(train_options or {}), dict(rollout_options or {})
     if lora_r:
         train_options["lora_r"] = lora_r
@@ -284,8 +306,17 @@ def measure_switch(train_name: str, rollout_name: str, model: str, switches: int
     train = registry.create("train", train_name, model=path, **train_options)
     rollout = registry.create("rollout", rollout_name, model=path, **rollout_options)
     try:
-        return measure_pair(train, rollout, switches, naive_switches, naive_dir, progress,
-                            (train_name, rollout_name, model), share, offload)
+        bench = measure_pair(train, rollout, switches, naive_switches, naive_dir, progress,
+                             (train_name, rollout_name, model), share, offload)
+        if against_whole:
+            rollout.close()
+            rollout = registry.create("rollout", rollout_name, model=path, **rollout_options, tp_slices=False)
+            whole = measure_pair(train, rollout, switches, naive_switches, naive_dir, progress,
+                                 (train_name, rollout_name, model), share, offload)
+            bench.extra.update(whole_bytes=whole.bytes, whole_sync_s=whole.sync_s,
+                               whole_from_other_ranks=whole.extra["from_other_ranks"],
+                               whole_to_rollout=whole.to_rollout.to_dict())
+        return bench
     finally:
         train.close()
         rollout.close()
@@ -308,6 +339,9 @@ def _switch_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lora-r", type=int, default=0,
                    help="train LoRA adapters of this rank: the sync sends merged weights, and a rollout engine "
                         "that serves adapters (vllm) is also measured taking the adapter alone")
+    p.add_argument("--against-whole", action="store_true",
+                   help="also measure the rollout engine declaring whole weights (tp_slices=false), in the same run: "
+                        "the bytes each rank receives with its tensor-parallel slices against whole weights")
     p.add_argument("--out", default="runs/bench", help="folder for the JSON and PNG (default runs/bench)")
 
 
@@ -324,7 +358,8 @@ def _offload_arg(text: str) -> str | list[str]:
 def bench_switch(args: argparse.Namespace) -> int:
     bench = measure_switch(args.train, args.rollout, args.model, args.switches, args.naive_switches,
                            json.loads(args.train_options), json.loads(args.rollout_options),
-                           share=SHARE_CHOICES[args.share], offload=_offload_arg(args.offload), lora_r=args.lora_r)
+                           share=SHARE_CHOICES[args.share], offload=_offload_arg(args.offload), lora_r=args.lora_r,
+                           against_whole=args.against_whole)
     if gdist.rank() == 0:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
@@ -344,7 +379,7 @@ def measure_rollout(names: list[str], model: str, prompts: int = 16, n: int = 4,
     from .rollout import SamplingParams
     from .models import resolve_model
 
-    path = resolve_model(model)
+    path = _resolve(model)
     batch = [[(7 * i + j) % 200 + 32 for j in range(8 + i % 5)] for i in range(prompts)]
     sampling = SamplingParams(n=n, temperature=1.0, max_tokens=max_tokens, seed=0)
     rows = []
@@ -379,41 +414,68 @@ def train_batch(batch_size: int, seq_len: int, min_len: int | None = None, seed:
     return TrainBatch.from_sequences(prompts, responses)
 
 
+def step_peak_bytes(fn) -> int:
+    """The most memory `fn` allocates beyond what was allocated when it started (activations, gradients):
+    the CUDA allocator's count, or on a CPU the allocations torch's profiler records."""
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        start = torch.cuda.memory_allocated()
+        fn()
+        torch.cuda.synchronize()
+        return torch.cuda.max_memory_allocated() - start
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    live = peak = 0
+    for _, nbytes in sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events()
+                            if e.name() == "[memory]"):
+        live += nbytes
+        peak = max(peak, live)
+    return peak
+
+
 def measure_train(names: list[str], model: str, batch_size: int = 16, seq_len: int = 64, steps: int = 3,
                   options: dict | None = None, *, min_len: int | None = None, micro_batch_size: int | None = None,
-                  token_budgets: tuple[int, ...] = (0,)) -> list[dict]:
+                  token_budgets: tuple[int, ...] = (0,), meshes: tuple[str, ...] = ("",)) -> list[dict]:
     """Optimizer steps/s and tokens/s of each train backend on the same model and batch, once per token
     budget (0: micro-batches of `micro_batch_size` rows, as wide as the batch; else rows packed by length
     into micro-batches of that many tokens, `max_tokens_per_micro_batch`, with no cap on their rows:
     `micro_batch_size` rows x `seq_len` is the budget that bounds memory as the fixed count does).
 
     tokens_per_s counts the batch's real tokens; pad_share is the share of padding in the tokens the
-    engine computed (from its `pad_frac` metric; '-' for an engine that does not report it).
+    engine computed (from its `pad_frac` metric; '-' for an engine that does not report it). Each of
+    `meshes` ('' for the default, 'sp=2', 'tp=2', ...) gets its rows, every rank given the whole batch;
+    step_peak_mb is what one step allocates beyond what it started with (activations, gradients),
+    measured in an extra step.
     """
     from .models import resolve_model
     from .train import nll_loss
 
     gdist.init()
-    path = resolve_model(model)
+    path = _resolve(model)
     batch = train_batch(batch_size, seq_len, min_len)
     real_tokens = int(batch.lengths.sum())
     rows = []
-    for name in names:
-        for budget in token_budgets:
-            reset_peak_memory()
-            engine = registry.create("train", name, model=path, lr=1e-5,
-                                     micro_batch_size=None if budget else micro_batch_size,
-                                     max_tokens_per_micro_batch=budget or None, **(options or {}).get(name, {}))
-            metrics = engine.train_step(batch, nll_loss)  # warm-up
-            secs = _median_seconds(lambda: engine.train_step(batch, nll_loss), steps)
-            pad = metrics.get("pad_frac")
-            rows.append({"backend": name, "model": model, "batch": batch_size, "seq_len": seq_len,
-                         "micro_batch_size": "-" if budget else micro_batch_size or "-", "max_tokens": budget or "-",
-                         "micro_batches": int(metrics.get("micro_batches", 0)) or "-",
-                         "pad_share": pad if pad is not None else "-",
-                         "seconds_per_step": secs, "steps_per_s": 1 / secs, "tokens_per_s": real_tokens / secs,
-                         "peak_gb": peak_memory_bytes() / 1e9})
-            engine.close()
+    for name, budget, mesh in ((n, b, m) for n in names for b in token_budgets for m in meshes):
+        reset_peak_memory()
+        engine = registry.create("train", name, model=path, lr=1e-5,
+                                 micro_batch_size=None if budget else micro_batch_size,
+                                 max_tokens_per_micro_batch=budget or None, **(options or {}).get(name, {}),
+                                 **({"mesh": mesh} if mesh else {}))
+        metrics = engine.train_step(batch, nll_loss)  # warm-up
+        secs = _median_seconds(lambda: engine.train_step(batch, nll_loss), steps)
+        step_peak = step_peak_bytes(lambda: engine.train_step(batch, nll_loss))
+        pad = metrics.get("pad_frac")
+        rows.append({"backend": name, **({"mesh": str(engine.mesh)} if meshes != ("",) else {}),
+                     "model": model, "batch": batch_size, "seq_len": seq_len,
+                     "micro_batch_size": "-" if budget else micro_batch_size or "-", "max_tokens": budget or "-",
+                     "micro_batches": int(metrics.get("micro_batches", 0)) or "-",
+                     "pad_share": pad if pad is not None else "-",
+                     "seconds_per_step": secs, "steps_per_s": 1 / secs, "tokens_per_s": real_tokens / secs,
+                     "peak_gb": peak_memory_bytes() / 1e9, "step_peak_mb": step_peak / 2**20})
+        engine.close()
     return rows
 
 
@@ -441,6 +503,9 @@ def _train_bench_args(p: argparse.ArgumentParser) -> None:
                         "--max-tokens-per-micro-batch 0,2048 puts the two under the same memory bound side by side)")
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--options", default="{}", help="JSON: {backend: {engine options}}")
+    p.add_argument("--mesh", action="append", default=None,
+                   help="a train mesh to measure (repeat for several, e.g. --mesh dp=2 --mesh sp=2 under torchrun); "
+                        "default: the backend's own")
 
 
 def _print_rows(rows: list[dict]) -> None:
@@ -535,5 +600,5 @@ def bench_command(args: argparse.Namespace) -> int:
         budgets = tuple(int(b) for b in args.max_tokens_per_micro_batch.split(",") if b.strip())
         _print_rows(measure_train(names, args.model, args.batch_size, args.seq_len, args.steps, options,
                                   min_len=args.min_len, micro_batch_size=args.micro_batch_size,
-                                  token_budgets=budgets or (0,)))
+                                  token_budgets=budgets or (0,), meshes=tuple(args.mesh or ("",))))
     return 0

@@ -66,6 +66,15 @@ def broadcast_object(value, src: int = 0):
     return box[0]
 
 
+def all_gather_object(value) -> list:
+    """Every rank's `value`, in rank order (`[value]` without a process group)."""
+    if not is_distributed():
+        return [value]
+    out = [None] * world_size()
+    dist.all_gather_object(out, value)
+    return out
+
+
 def barrier() -> None:
     if is_distributed():
         dist.barrier()

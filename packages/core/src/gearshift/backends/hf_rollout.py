@@ -1,12 +1,17 @@
-"""Rollout backend `hf`: Hugging Face `generate` with a KV cache, one full replica per rank.
+"""Rollout backend `hf`: Hugging Face `generate` with a KV cache, a replica per dp rank.
 
 The reference every other rollout backend is compared with; slow, but it runs
-wherever transformers does.
+wherever transformers does. With `mesh` tp > 1 each replica is cut over its tp
+ranks by the model's own tensor-parallel plan (`gearshift.tensor_parallel`,
+DTensor: gloo on a CPU, NCCL on GPUs): each rank keeps, and its weight spec
+lists, only its slice of the column- and row-parallel weights, and the ranks of
+a tp group generate together (the same prompts, the same seed: the group's
+first rank's).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Iterable, Sequence
 
 import torch
@@ -15,7 +20,8 @@ from .. import dist as gdist
 from ..hf import load_causal_lm, tied_aliases
 from ..options import option
 from ..rollout import Rollout, RolloutArgs, RolloutEngine, RolloutError, SamplingParams, text_before_stop
-from ..weights import WeightBucket, WeightError, WeightSpec
+from ..tensor_parallel import local_tensor, parallelize_tensor, tp_placement
+from ..weights import ParamSpec, WeightBucket, WeightError, WeightSpec
 
 
 class HFRolloutEngine(RolloutEngine):
@@ -34,17 +40,24 @@ class HFRolloutEngine(RolloutEngine):
         from transformers import AutoTokenizer
 
         super().__init__(args, options)
-        if self.mesh.dp != self.mesh.world_size:
-            raise ValueError(f"the hf rollout backend runs a full replica per rank: use mesh dp={self.mesh.world_size}")
+        if self.mesh.dp * self.mesh.tp != self.mesh.world_size:
+            raise ValueError(f"the hf rollout backend runs replicas (dp) cut by tensor parallelism (tp), but mesh "
+                             f"{self.mesh} has pp or sp > 1: use mesh dp={self.mesh.world_size} or tp=...,dp=...")
         self.device = torch.device(self.options.device) if self.options.device else gdist.default_device()
         self.model = load_causal_lm(args.model, args.torch_dtype).to(self.device).eval()
         self.tokenizer = AutoTokenizer.from_pretrained(args.model)
         self.max_model_len = int(args.max_model_len or self.model.config.max_position_embeddings)
         self.max_batch_size = self.options.max_batch_size
+        aliases = tied_aliases(self.model)
+        self._tp_group = self._parallelize() if self.mesh.tp > 1 else None
         self._params = dict(self.model.named_parameters())
+        #: this rank's part of each weight (the weight itself without tensor parallelism): what a sync writes
+        self._local = {n: local_tensor(p) for n, p in self._params.items()}
         for p in self._params.values():
             p.requires_grad_(False)
-        self._spec = WeightSpec.from_tensors(self._params, self.mesh, aliases=tied_aliases(self.model))
+        self._spec = WeightSpec(self.mesh, tuple(
+            ParamSpec(n, tuple(p.shape), p.dtype, tp_placement(p, self.mesh)) for n, p in self._params.items()
+        ), aliases)
         self._asleep: set[str] = set()
         self._borrowed: set[str] = set()  # weights whose storage is the caller's (share_weights)
         self._pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
@@ -65,12 +78,37 @@ class HFRolloutEngine(RolloutEngine):
         if state[1] is not None:
             torch.cuda.set_rng_state(state[1], self.device)
 
+    def _parallelize(self):
+        """Cut the model over this rank's tp group; returns the group. The engine then copies in place only."""
+        from torch.distributed.device_mesh import init_device_mesh
+
+        gdist.ensure_process_group(self.device)
+        mesh = init_device_mesh(self.device.type, (self.mesh.dp, self.mesh.tp), mesh_dim_names=("dp", "tp"))
+        parallelize_tensor(self.model, self.model, mesh["tp"])
+        self.can_share_weights = False  # a slice is served from DTensors the engine made: it copies into them
+        return mesh["tp"].get_group()
+
+    def _in_step(self, prompts: list[list[int]], sampling: SamplingParams) -> SamplingParams:
+        """The seed every rank of the tp group samples with (its first rank's); the prompts must be the same."""
+        import torch.distributed as dist
+
+        seed = sampling.seed if sampling.seed is not None else int(torch.randint(2**62, ()))
+        mine = [seed, prompts, sampling]
+        box = list(mine)
+        dist.broadcast_object_list(box, group=self._tp_group, group_src=0)
+        if box[1:] != mine[1:]:
+            raise RolloutError("the ranks of a tensor-parallel group must generate for the same prompts with the "
+                               "same sampling parameters: give every rank of the group the same request")
+        return replace(sampling, seed=box[0])
+
     # --- generation -----------------------------------------------------------------------
     def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams) -> list[Rollout]:
         self.check_prompts(prompts, sampling, self.model.config.vocab_size)
         if self._asleep:
             raise RolloutError(f"the engine's {sorted(self._asleep)} are asleep: call wake() first (and update "
                                f"the weights, which sleep discards)")
+        if self._tp_group is not None:
+            sampling = self._in_step([list(map(int, p)) for p in prompts], sampling)
         out: list[Rollout] = []
         for start in range(0, len(prompts), self.max_batch_size):
             chunk = [list(map(int, p)) for p in prompts[start:start + self.max_batch_size]]
@@ -156,9 +194,10 @@ class HFRolloutEngine(RolloutEngine):
                 if self._borrowed:  # writing in place would write into the lender's tensors
                     for name in self._borrowed:
                         self._params[name].data = self._params[name].data.clone()
+                        self._local[name] = self._params[name]
                     self._borrowed.clear()
                 # one batched cast-copy per bucket rather than one call per weight
-                torch._foreach_copy_([self._params[n].data for n in tensors], list(tensors.values()))
+                torch._foreach_copy_([self._local[n].data for n in tensors], list(tensors.values()))
                 handed += bucket.nbytes
                 applied += len(tensors)
         finally:
@@ -178,6 +217,7 @@ class HFRolloutEngine(RolloutEngine):
                         f"{p.dtype} on {p.device}: only tensors it can use as they are can be shared")
             for name, tensor in tensors.items():
                 self._params[name].data = tensor.detach()
+                self._local[name] = self._params[name]
                 self._borrowed.add(name)
                 borrowed += tensor.numel() * tensor.element_size()
         self._asleep.discard("weights")
@@ -189,8 +229,12 @@ class HFRolloutEngine(RolloutEngine):
         self.reset_cache()
         for tag in self._tags(tags):
             if tag == "weights" and tag not in self._asleep:
-                for p in self._params.values():
-                    p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+                for name, p in self._params.items():
+                    if self._tp_group is not None:  # a DTensor's own storage is let go of, and taken back on wake
+                        self._local[name].untyped_storage().resize_(0)
+                    else:
+                        p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+                        self._local[name] = p
                 self._borrowed.clear()
             self._asleep.add(tag)
 
@@ -199,7 +243,12 @@ class HFRolloutEngine(RolloutEngine):
         for tag in self._tags(tags):
             if tag == "weights" and tag in self._asleep:
                 for name, p in self._params.items():
-                    p.data = torch.empty(by_name[name].shape, dtype=p.dtype, device=p.device)
+                    if self._tp_group is not None:
+                        local = self._local[name]
+                        local.untyped_storage().resize_(local.numel() * local.element_size())
+                    else:
+                        p.data = torch.empty(by_name[name].shape, dtype=p.dtype, device=p.device)
+                        self._local[name] = p
             self._asleep.discard(tag)
 
     def reset_cache(self) -> None:
@@ -207,11 +256,13 @@ class HFRolloutEngine(RolloutEngine):
 
     def resident_bytes(self) -> dict[str, int]:
         """Weights borrowed through `share_weights` are the lender's memory and do not count."""
-        weights = sum(p.data.numel() * p.data.element_size() for n, p in self._params.items()
-                      if n not in self._borrowed)
+        held = (lambda t: t.untyped_storage().nbytes()) if self._tp_group is not None else \
+            (lambda t: t.numel() * t.element_size())  # a DTensor's slice sleeps as a storage of 0 bytes
+        weights = sum(held(t) for n, t in self._local.items() if n not in self._borrowed)
         return {"weights": weights, "kv_cache": 0}
 
     def close(self) -> None:
         self.model = None
         self._params.clear()
+        self._local.clear()
 

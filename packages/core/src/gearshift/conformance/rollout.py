@@ -71,7 +71,7 @@ class RolloutEngineSuite:
         """
         got = engine.generate(prompts, sampling)
         if all(p.dtype == torch.float32 for p in engine.weight_spec()):
-            return reference_logprob_diff(model_path, got, weights)
+            return reference_logprob_diff(model_path, got, weights, engine.weight_spec())
         engine.sleep(["kv_cache", "weights"])
         engine.wake(["weights"])
         engine.update_weights(as_buckets(weights, engine.device))
@@ -241,7 +241,8 @@ class RolloutEngineSuite:
                 rollout_engine.update_weights(stream)
             assert "applied" in str(caught.value), "the error must say how many weights were applied before it"
             out = rollout_engine.generate(PROMPTS, GREEDY)
-            diff = reference_logprob_diff(gearshift_model, out, {**original, **{n: changed[n] for n in first}})
+            diff = reference_logprob_diff(gearshift_model, out, {**original, **{n: changed[n] for n in first}},
+                                          rollout_engine.weight_spec())
         finally:
             self._restore(rollout_engine, original)
         assert diff <= self.logprob_atol, "the first bucket must stay applied and none of the bad one land"

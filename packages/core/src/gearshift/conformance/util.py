@@ -84,10 +84,35 @@ def _reference_model(model_path: str):
     return model, {k: v.detach().clone() for k, v in model.named_parameters()}
 
 
+def whole_weights(spec: WeightSpec, local: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Full tensors of `local` (this rank's slices of `spec`'s weights), put together from every rank's slice
+    (a collective when any weight is sliced; every rank calls it)."""
+    if all(spec.by_name()[n].placement.is_replicated() for n in local) or not gdist.is_distributed():
+        return local
+    import torch.distributed as dist
+
+    mine = {n: (spec.by_name()[n].placement.local_box(spec.by_name()[n].shape, gdist.rank()), t.detach().cpu())
+            for n, t in local.items()}
+    everyone = [None] * gdist.world_size()
+    dist.all_gather_object(everyone, mine)
+    out = {}
+    for n, t in local.items():
+        full = torch.empty(spec.by_name()[n].shape, dtype=t.dtype)
+        for pieces in everyone:
+            box, piece = pieces[n]
+            full[box_slices(box)] = piece
+        out[n] = full
+    return out
+
+
 @torch.no_grad()
-def reference_logprob_diff(model_path: str, rollouts, weights: dict[str, torch.Tensor] | None = None) -> float:
+def reference_logprob_diff(model_path: str, rollouts, weights: dict[str, torch.Tensor] | None = None,
+                           spec: WeightSpec | None = None) -> float:
     """Max |rollout logprob - transformers' temperature-1 logprob| of the sampled tokens, in fp32, with
-    `weights` (full tensors by parameter name) in place of the folder's."""
+    `weights` in place of the folder's: full tensors by parameter name, or this rank's slices of `spec`'s
+    weights (put together from every rank's: then every rank calls it)."""
+    if weights is not None and spec is not None:
+        weights = whole_weights(spec, weights)
     model, original = _reference_model(model_path)
     params = dict(model.named_parameters())
     for name, tensor in {**original, **(weights or {})}.items():

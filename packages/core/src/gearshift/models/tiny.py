@@ -30,6 +30,12 @@ def tiny() -> dict:
                 num_key_value_heads=1, head_dim=32, max_position_embeddings=512, vocab_size=320)
 
 
+def tiny4h() -> dict:
+    """Twice tiny's width, 4 query and 2 key/value heads: tensor and sequence parallelism of 2 cut whole heads
+    (heads of 32, hidden_size / heads as vLLM reckons them: its CPU attention takes no smaller)."""
+    return dict(tiny(), hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2)
+
+
 def small() -> dict:
     """~3M parameters: the default RL job on a CPU."""
     return dict(hidden_size=256, intermediate_size=768, num_hidden_layers=4, num_attention_heads=4,
@@ -66,8 +72,8 @@ def qwen2_7b() -> dict:
                 num_key_value_heads=4, head_dim=128, max_position_embeddings=4096, vocab_size=152064)
 
 
-PRESETS = {"tiny": tiny, "small": small, "deep": deep, "bench100m": bench100m, "qwen2-0.5b": qwen2_0_5b,
-           "qwen2-1.5b": qwen2_1_5b, "qwen2-7b": qwen2_7b}
+PRESETS = {"tiny": tiny, "tiny4h": tiny4h, "small": small, "deep": deep, "bench100m": bench100m,
+           "qwen2-0.5b": qwen2_0_5b, "qwen2-1.5b": qwen2_1_5b, "qwen2-7b": qwen2_7b}
 #: presets saved in bfloat16 (engines load them in the dtype they are asked for): half the bytes to write and read
 BF16_PRESETS = {"qwen2-1.5b", "qwen2-7b"}
 

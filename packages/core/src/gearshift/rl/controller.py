@@ -2,7 +2,9 @@
 
 Plain Python over the core interfaces; every rank runs it in step (SPMD).
 Each rank rolls out its share of the step's prompts and trains on them; the
-train engine's own process group averages the gradients.
+train engine's own process group averages the gradients. Shares go by
+data-parallel index (`shares.py`): tensor- and sequence-parallel peers get the
+same prompts and samples.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from ..profiler import peak_memory_bytes
 from .learner import Learner
 from .metrics import MetricsLogger, plot_rewards
 from .scoring import Scorer
+from .shares import Shares
 
 RewardFn = Callable[..., "float | None"]
 
@@ -82,6 +85,7 @@ class Controller:
         rollout = build_rollout(cfg, self.model_path)
         self.actor = HybridActor(self.policy, rollout, build_resharder(cfg), offload=cfg.offload_tags(),
                                  offload_params=cfg.switch.offload_params)
+        self.shares = Shares(rollout.mesh, self.policy.mesh)
         self.reference = build_reference(cfg, self.model_path)
         self.critic = build_critic(cfg, self.model_path)
         self.learner = Learner(cfg, self.policy, self.reference, self.critic, pad_id=self.tokenizer.pad_token_id or 0)
@@ -132,15 +136,16 @@ class Controller:
             times[f"time/{name}"] = time.perf_counter() - t0
 
         step_start = time.perf_counter()
-        rows = self.data.next_batch(cfg.run.prompts_per_step)[self.rank::self.world]
+        rows = self.shares.rollout_rows(self.data.next_batch(cfg.run.prompts_per_step))
         prompts = [row["prompt_ids"] for row in rows]
-        sampling = cfg.sampling(seed=cfg.run.seed * 1_000_003 + self.step * 1009 + self.rank)
+        sampling = cfg.sampling(seed=cfg.run.seed * 1_000_003 + self.step * 1009 + self.shares.rollout_dp)
         switch_in = self.actor.to_rollout()
         with timed("rollout"):
             rollouts = self.actor.generate(prompts, sampling)
         switch_out = self.actor.to_train()
+        train_rows, train_rollouts = self.shares.to_train(rows, rollouts)
         with timed("reward"):
-            kept, rewards = self.scorer.score(rollouts, rows)
+            kept, rewards = self.scorer.score(train_rollouts, train_rows)
         metrics: dict[str, Any] = {}
         # every rank trains or none does: a rank left without samples (all dropped by the reward)
         # would otherwise skip the collectives the others wait in
@@ -154,7 +159,7 @@ class Controller:
         gen_tokens = sum(len(x.token_ids) for x in rollouts)
         metrics.update({
             "reward/mean": _mean(rewards), "reward/max": max(rewards, default=0.0),
-            "reward/min": min(rewards, default=0.0), "reward/dropped": len(rollouts) - len(kept),
+            "reward/min": min(rewards, default=0.0), "reward/dropped": len(train_rollouts) - len(kept),
             "response_len/mean": _mean([len(x.token_ids) for x in rollouts]),
             "rollout/tokens_per_s": gen_tokens / max(times["time/rollout"], 1e-9),
             "time/switch_to_rollout": switch_in.seconds, "time/switch_to_train": switch_out.seconds,
@@ -184,9 +189,10 @@ class Controller:
         from ..rollout import SamplingParams
 
         cfg, start = self.config, time.perf_counter()
-        rows = self.val_data.all_rows()[self.rank::self.world]
+        rows = self.shares.rollout_rows(self.val_data.all_rows())  # each rollout replica its share
         sampling = (SamplingParams(n=1, temperature=0.0, max_tokens=cfg.rollout.max_tokens, stop=tuple(cfg.rollout.stop))
-                    if cfg.run.eval_greedy else cfg.sampling(seed=cfg.run.seed * 7919 + self.step))
+                    if cfg.run.eval_greedy else cfg.sampling(seed=cfg.run.seed * 7919 + self.step * 1009
+                                                             + self.shares.rollout_dp))
         self.actor.to_rollout()
         try:  # a rank with no held-out rows still switches: the switch is collective
             rollouts = self.actor.generate([r["prompt_ids"] for r in rows], sampling) if rows else []
