@@ -53,6 +53,14 @@ HOW: dict[str, tuple[str, str]] = {
     "gearshift bench train --backends torch,fsdp": ("run", "fsdp"),
     "gearshift bench switch --share off": ("parse", "an option of the bench command above"),
     "gearshift bench switch --lora-r 8": ("parse", "an option of the bench command above"),
+    "torchrun --nproc_per_node 2 -m gearshift bench train --backends fsdp --seq-len 2048 --mesh dp=2 --mesh sp=2": (
+        "test", "packages/backend-fsdp/tests/test_parallel.py"
+        "::test_sequence_parallelism_splits_the_activations_of_a_long_sequence"),
+    "torchrun --nproc_per_node 2 -m gearshift bench switch --train fsdp --rollout vllm --model small "
+    "--rollout-options '{\"mesh\": \"tp=2\"}' --against-whole": (
+        "test", "packages/backend-vllm/tests/test_tp_slices.py"
+        "::test_bench_switch_against_whole_shows_each_rank_receives_half"),
+    "gearshift bench train --mesh dp=2 --mesh sp=2": ("parse", "the torchrun command's options, below"),
     "gearshift conformance --train fsdp --rollout vllm": ("test", "tests/test_pairs.py::test_conformance_of_pair"),
     "gearshift backends myengine": ("parse", "a third party's backend"),
     "gearshift conformance --rollout myengine --train torch": ("parse", "a third party's backend"),

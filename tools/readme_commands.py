@@ -38,7 +38,7 @@ def block_commands(text: str) -> list[tuple[str, str]]:
             continue
         if line.startswith("#"):
             section = line.strip()
-        if line.startswith("    ") and line.strip() and not line.lstrip().startswith("-"):
+        if line.startswith("    ") and line.strip() and (pending or not line.lstrip().startswith("-")):
             part = _strip_comment(line)
             if part.endswith("\\"):
                 pending += part[:-1].strip() + " "

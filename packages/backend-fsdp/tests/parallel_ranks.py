@@ -62,7 +62,8 @@ def full(t: torch.Tensor) -> torch.Tensor:
 def check(model_path: str, mesh: MeshSpec, padded: bool = True) -> dict:
     from gearshift_fsdp.engine import FSDPTrainEngine
 
-    engine = FSDPTrainEngine.build(model_path, mesh=mesh, lr=LR, param_dtype="float32", max_grad_norm=None)
+    engine = FSDPTrainEngine.build(model_path, mesh=mesh, lr=LR, param_dtype="float32", max_grad_norm=None,
+                                   keep_grads=True)
     spec = engine.weight_spec()
     saved = reference_weights(model_path, spec)  # the folder's weights cut as the spec says this rank holds them
     local = engine.local_weights(spec.names())

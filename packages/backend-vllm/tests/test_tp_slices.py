@@ -54,3 +54,21 @@ def test_vllm_tp_two_declares_slices_and_keeps_the_contracts(vllm_cache_dir, tmp
                      "TestVLLMTensorParallelRollout::test_update_weights_takes_effect_and_restores_exactly"):
             assert re.search(rf"^PASSED \S*{re.escape(name)}", out, re.M), f"rank {rank} did not pass {name}"
     print("\n".join(line for line in outputs[0].splitlines() if "FIGURE" in line))
+
+
+@pytest.mark.slow
+def test_bench_switch_against_whole_shows_each_rank_receives_half(vllm_cache_dir, tmp_path):
+    """The README's `torchrun ... bench switch --train fsdp --rollout vllm --against-whole`, on the tiny model."""
+    pytest.importorskip("gearshift_fsdp")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "GEARSHIFT_DIST_TIMEOUT": "300"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
+           "--master_port", str(free_port()), "-m", "gearshift", "bench", "switch", "--train", "fsdp",
+           "--rollout", "vllm", "--model", "tiny4h", "--rollout-options", '{"mesh": "tp=2"}', "--against-whole",
+           "--switches", "2", "--naive-switches", "1"]
+    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=1800)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    ratios = [float(r) for r in re.findall(r"received per rank, slices declared\s+\S+ MB\s+([\d.]+)x", proc.stdout)]
+    assert ratios, proc.stdout[-3000:]
+    # every weight of tiny4h is column- or row-parallel but the norms and embeddings, which vLLM keeps whole
+    assert all(0.4 < r < 0.75 for r in ratios), ratios
+    print("\n".join(line for line in proc.stdout.splitlines() if "slices declared" in line or "whole" in line))

@@ -92,7 +92,12 @@ class HFRolloutEngine(RolloutEngine):
         """The seed every rank of the tp group samples with (its first rank's); the prompts must be the same."""
         import torch.distributed as dist
 
-        seed = sampling.seed if sampling.seed is not None else int(torch.randint(2**62, ()))
+        seed = sampling.seed
+        if seed is None:  # drawn from the engine's own generator, which moves on; the host's stays as it was
+            with self._generators():
+                self._set_rng_state(self._own_rng)
+                seed = int(torch.randint(2**62, ()))
+                self._own_rng = self._rng_state()
         mine = [seed, prompts, sampling]
         box = list(mine)
         dist.broadcast_object_list(box, group=self._tp_group, group_src=0)
