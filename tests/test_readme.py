@@ -3,7 +3,7 @@
 `tools/readme_commands.py` reads the commands out of the README as written. Each must appear in `HOW` below,
 which says what runs it: CI (`.ci/run`: the two commands for a fresh machine), this file (as written, or
 `gearshift train ... --check` for a whole run, or the CLI's parser for a third party's own backend), a named
-test that runs it, or, for a GPU script, a syntax check here. A command the README gains without an entry
+test that runs it, or, for a GPU script or an environment's setup script, a syntax check here. A command the README gains without an entry
 fails `test_every_readme_command_is_run_somewhere`.
 """
 
@@ -67,6 +67,9 @@ HOW: dict[str, tuple[str, str]] = {
     "pip install -e .": ("third-party", "a backend's own folder"),
     "python tools/rl_compare.py ppo": ("help", ""),
     "python tools/arch_matrix.py": ("help", ""),
+    "python tools/trl_compare.py": ("help", ""),
+    "python tools/trl_compare.py --engines hf": ("help", ""),
+    "bash tools/trl_env.sh": ("script", "tools/trl_env.sh"),
     "python tools/bench_matrix.py --model bench100m": ("help", ""),
     "python tools/simulate_plan.py": ("run", "naive"),
     "python -m pytest tests/test_soak.py --runslow -s": ("test", "tests/test_soak.py::test_switches_do_not_leak_or_drift"),
@@ -158,8 +161,8 @@ def test_a_named_test_runs_it(cmd):
     assert name in {n.name for n in ast.walk(tree) if isinstance(n, ast.FunctionDef)}, f"{HOW[cmd][1]} is gone"
 
 
-@pytest.mark.parametrize("cmd", _by("gpu"))
-def test_a_gpu_script_parses(cmd):
+@pytest.mark.parametrize("cmd", _by("gpu") + _by("script"))
+def test_a_gpu_or_setup_script_parses(cmd):
     script = ROOT / HOW[cmd][1]
     assert script.is_file()
     run = subprocess.run(["bash", "-n", str(script)], capture_output=True, text=True)
