@@ -50,3 +50,28 @@ def test_one_pass_over_the_batch_takes_its_old_logprobs_from_the_training_forwar
 def test_the_separate_pass_runs_when_something_needs_the_logprobs_before_the_update(gearshift_model, algorithm):
     _, _, passes, learner = _learn(gearshift_model, **algorithm)
     assert not learner.reuses_old_logprobs() and passes >= 1
+
+
+def test_with_several_mini_batches_the_first_takes_its_old_logprobs_from_its_training_forward(gearshift_model):
+    """The first mini-batch trains before any update: its forward's logprobs are the old ones. The separate pass
+    runs over the other rows only, and the update and the figures are those of a pass over every row."""
+    rows = []
+    engine = TorchTrainEngine.build(gearshift_model, lr=1e-2)
+    forward = engine.forward_logprobs
+    engine.forward_logprobs = lambda batch, **k: rows.append(batch.size) or forward(batch, **k)
+    cfg = build_config(None, {"algorithm": {"entropy_coef": 0.01}, "run": {"prompts_per_step": 2},
+                              "rollout": {"n": 4}, "train": {"mini_batch_size": 4}})
+    kept, rewards = _rollouts()
+    m_first = Learner(cfg, engine).learn(kept, rewards, 0, timed=lambda name: __import__("contextlib").nullcontext())
+    full, m_full, passes, _ = _learn(gearshift_model, train={"mini_batch_size": 4}, entropy_coef=0.01,
+                                     old_logprobs="recompute")
+    assert rows == [4] and passes == 1, "the pass runs over the second mini-batch's four rows alone"
+    a, b = dict(engine.model.named_parameters()), dict(full.model.named_parameters())
+    assert all(torch.allclose(a[n], b[n], rtol=0, atol=1e-6) for n in a), "the same update as a pass over all rows"
+    for key in ("mismatch/logprob_mean", "mismatch/logprob_max", "train/loss", "train/entropy"):
+        assert m_first[key] == pytest.approx(m_full[key], rel=1e-5, abs=1e-6), key
+
+
+def test_ppo_two_mini_batches_keep_half_the_pass(gearshift_model):
+    _, _, passes, learner = _learn(gearshift_model, name="ppo", advantage="grpo")
+    assert learner._reusable() and not learner.reuses_old_logprobs() and passes == 1

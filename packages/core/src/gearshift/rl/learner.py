@@ -72,16 +72,24 @@ class Learner:
         reward_t = torch.tensor(rewards, dtype=torch.float32)
         rollout_lp = response_logprobs(kept, [x.logprobs for x in kept], mask)
         out: dict[str, float] = {}
-        if self.reuses_old_logprobs():  # the training forward's own logprobs, detached, are the old ones
-            old, extras = None, {"rollout_logprobs": rollout_lp}
-        else:
+        # as many optimizer steps on every rank (their gradients are averaged): the same count of mini-batches
+        # of this rank's share, in order, so a prompt's samples stay together
+        mini_size = -(-batch.size // max(1, min(cfg.mini_batches(), batch.size)))
+        reused = mini_size if self._reusable() else 0  # leading rows whose training forward gives the old logprobs
+        extras: dict[str, torch.Tensor] = {"rollout_logprobs": rollout_lp} if reused else {}
+        old = None
+        if reused < batch.size:
             with timed("old_logprobs"):
-                old = self.policy.forward_logprobs(batch).logprobs.cpu()
-            gap = (old - rollout_lp).abs() * mask
-            out.update({"mismatch/logprob_max": float(gap.max()),
-                        "mismatch/logprob_mean": float(gap.sum() / mask.sum().clamp(min=1))})
-            extras = {"old_logprobs": old}
-            weights, corrected = rollout_correction(old, rollout_lp, mask, mode=a.rollout_correction,
+                lp = self.policy.forward_logprobs(batch.select(slice(reused, None))).logprobs.cpu()
+            old = torch.zeros_like(mask)
+            old[reused:, :lp.shape[1]] = lp
+            rest = mask.clone()
+            rest[:reused] = 0
+            gap = (old - rollout_lp).abs() * rest
+            out.update({"mismatch/logprob_max": float(gap.max()), "mismatch/logprob_sum": float(gap.sum()),
+                        "mismatch/tokens": float(rest.sum())})
+            extras["old_logprobs"] = old
+            weights, corrected = rollout_correction(old, rollout_lp, rest, mode=a.rollout_correction,
                                                     level=a.rollout_correction_level, cap=a.rollout_correction_cap)
             out.update({f"rollout_correction/{k}": v for k, v in corrected.items()})
             if weights is not None:
@@ -89,13 +97,13 @@ class Learner:
         token_rewards = reward_t
         ref = None
         if ref_logprobs is not None:
-            ref = response_logprobs(kept, ref_logprobs, old)
+            ref = response_logprobs(kept, ref_logprobs, mask)
         elif self.reference is not None:
             with timed("ref_logprobs"):
                 ref = self.reference.forward_logprobs(batch).logprobs.cpu()
         if ref is not None:
             extras["ref_logprobs"] = ref
-            if old is not None:  # else the train step reports it (its logprobs are the old ones)
+            if not reused:  # else the train step reports it (its logprobs are the old ones)
                 out["kl/ref"] = float((kl_estimate(old, ref, a.kl_estimator) * mask).sum() / mask.sum().clamp(min=1))
             if a.kl_in == "reward":
                 token_rewards, _ = kl_in_reward(reward_t, mask, old, ref, kl_coef=a.kl_coef, estimator=a.kl_estimator)
@@ -122,12 +130,13 @@ class Learner:
             out["critic/explained_var"] = float(1 - (returns - values)[m].var() / var) if var > 0 else 0.0
             out["critic/values_mean"] = float(values[m].mean()) if m.any() else 0.0
         critic_epochs = a.critic_epochs or a.epochs
-        # as many optimizer steps on every rank (their gradients are averaged): the same count of mini-batches
-        # of this rank's share, in order, so a prompt's samples stay together
-        mini_size = -(-batch.size // max(1, min(cfg.mini_batches(), batch.size)))
         with timed("train"):
             for epoch in range(max(a.epochs, critic_epochs)):
-                for mini in batch.micro_batches(mini_size):
+                for index, mini in enumerate(batch.micro_batches(mini_size)):
+                    if reused and (epoch, index) == (0, 0):  # its own forward, before any update, is the old one
+                        mini.extras.pop("old_logprobs", None)
+                    else:  # the mismatch is measured before the update only: here, by the separate pass
+                        mini.extras.pop("rollout_logprobs", None)
                     # exact token means across micro-batches need each mini-batch's token counts
                     mini.extras[TOKENS_PER_SEQ] = tokens_per_seq(mini.loss_mask)
                     metrics: dict[str, float] = {}
@@ -139,18 +148,35 @@ class Learner:
                     train_metrics.append(metrics)
         keys = {k for m in train_metrics for k in m}
         out.update({f"train/{k}": _mean([m[k] for m in train_metrics if k in m]) for k in sorted(keys)})
-        if old is None:  # measured in the training forward: the same figures the separate pass gives
-            out["mismatch/logprob_mean"] = out.pop("train/mismatch_mean", 0.0)
-            out["mismatch/logprob_max"] = out.pop("train/mismatch_max", 0.0)
-            if "train/kl" in out:
-                out["kl/ref"] = out["train/kl"]
+        self._mismatch_figures(out, mask, reused)
         return out
 
+    @staticmethod
+    def _mismatch_figures(out: dict[str, float], mask: torch.Tensor, reused: int) -> None:
+        """The rollout-trainer logprob gap over every token: the training forward's figures for the reused rows
+        (its mean over their tokens), the separate pass's for the rest."""
+        first = float(mask[:reused].sum())
+        mean, top = out.pop("train/mismatch_mean", 0.0), out.pop("train/mismatch_max", 0.0)
+        total, tokens = mean * first, first
+        if "mismatch/tokens" in out:
+            total, tokens = total + out.pop("mismatch/logprob_sum"), tokens + out.pop("mismatch/tokens")
+            top = max(top, out["mismatch/logprob_max"])
+        out["mismatch/logprob_mean"] = total / max(tokens, 1.0)
+        out["mismatch/logprob_max"] = top
+        if reused and "train/kl" in out:
+            out["kl/ref"] = out["train/kl"]
+
     def reuses_old_logprobs(self) -> bool:
-        """Whether the step takes its old logprobs from the training forward rather than a pass of their own:
+        """Whether the step takes all its old logprobs from the training forward, with no pass of their own:
         the batch trains once, in one mini-batch, so the logprobs before the update are those the update's
-        forward computes; nothing needs them before it (no rollout correction, no KL in the reward)."""
-        cfg, a = self.config, self.config.algorithm
-        return (a.old_logprobs == "auto" and a.epochs == 1 and cfg.mini_batches() == 1
+        forward computes."""
+        return self.config.mini_batches() == 1 and self._reusable()
+
+    def _reusable(self) -> bool:
+        """Whether the first mini-batch's training forward gives its old logprobs: the batch trains once and
+        nothing needs them before the update (no rollout correction, no KL in the reward). With several
+        mini-batches the separate pass then runs over the others, which train after an update."""
+        a = self.config.algorithm
+        return (a.old_logprobs == "auto" and a.epochs == 1
                 and (self.critic is None or (a.critic_epochs or a.epochs) == 1)
                 and a.rollout_correction == "none" and not (a.kl_in == "reward" and a.kl_coef > 0))
