@@ -153,7 +153,6 @@ class SGLangRolloutEngine(RolloutEngine):
         self._tokenizer = self._engine.tokenizer_manager.tokenizer
         self._flat = FlatBuckets(self.device)
         self._rng = random.Random(args.seed + self.mesh.coords(self.rank)["dp"])
-        self._asleep: set[str] = set()  # what the caller put to sleep
         self._released: set[str] = set()  # what SGLang released
 
     @contextmanager
@@ -167,9 +166,6 @@ class SGLangRolloutEngine(RolloutEngine):
     # --- generation -----------------------------------------------------------------------
     def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams) -> list[Rollout]:
         self.check_prompts(prompts, sampling, self._vocab_size)
-        if self._asleep:
-            raise RolloutError(f"the engine's {sorted(self._asleep)} are asleep: call wake() first "
-                               f"(and update the weights, which sleep discards)")
         ids = [[int(t) for t in p] for p in prompts for _ in range(sampling.n)]
         params = [self._sampling(sampling, len(p)) for p in prompts for _ in range(sampling.n)]
         with self._calling_sglang():
@@ -208,7 +204,7 @@ class SGLangRolloutEngine(RolloutEngine):
         Each bucket is checked before any of it is sent; the buckets before a bad one stay applied.
         The prefix cache is flushed once, after the last bucket, however the update ends.
         """
-        if "weights" in self._asleep or "weights" in self._released:
+        if "weights" in self.asleep or "weights" in self._released:
             raise RolloutError("the engine's weights are asleep: call wake(['weights']) before updating them")
         loaded, applied = 0, 0
         with self._calling_sglang():
@@ -262,7 +258,7 @@ class SGLangRolloutEngine(RolloutEngine):
     # --- memory -----------------------------------------------------------------------------
     def sleep(self, tags: Sequence[str] = ROLLOUT_TAGS) -> None:
         """Release the tags through SGLang (`release_memory`), or only mark them; the prefix cache is dropped."""
-        tags = set(self._tags(tags)) - self._asleep
+        tags = set(self._tags(tags)) - self.asleep
         if not tags:
             return
         with self._calling_sglang():
@@ -273,7 +269,7 @@ class SGLangRolloutEngine(RolloutEngine):
                     sglang_tags = [tag, "cuda_graph"] if tag == "weights" and self.on_gpu else [tag]
                     self._engine.release_memory_occupation(tags=sglang_tags)
                     self._released.add(tag)
-        self._asleep |= tags
+        self.asleep |= tags
 
     def wake(self, tags: Sequence[str] = ROLLOUT_TAGS) -> None:
         """Resume what SGLang released, weights before the KV cache (woken weights still need an update)."""
@@ -283,7 +279,7 @@ class SGLangRolloutEngine(RolloutEngine):
                 sglang_tags = [tag, "cuda_graph"] if tag == "weights" and self.on_gpu else [tag]
                 self._engine.resume_memory_occupation(tags=sglang_tags)
                 self._released.discard(tag)
-        self._asleep -= tags
+        self.asleep -= tags
 
     def resident_bytes(self) -> dict[str, int]:
         """Bytes the scheduler process holds in the model's parameters and the KV cache, measured there."""
