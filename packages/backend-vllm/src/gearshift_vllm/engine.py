@@ -24,6 +24,12 @@ the adapter sync never resends it.
 
 vLLM is imported only when an engine is built, so this package imports (and
 `gearshift backends` can say what is missing) without it.
+
+This module is the adapter; around it: `arguments` (the options, and what
+`vllm.LLM` is started with), `worker` (code run inside vLLM's worker),
+`groups` (vLLM's process groups), `requests` (sampling parameters and
+completions), `weights`, `cpu_loader` and `tp_slices` (where weights land),
+`host` (what of the host's state is vLLM's own).
 """
 
 from __future__ import annotations
@@ -47,9 +53,9 @@ from .arguments import (VLLMOptions, check_architecture, check_sleep_allocator_f
                         lora_ranks)
 from .cpu_loader import register_plain_loader
 from .groups import LIVE, default_group_if_made_by, forget_dead_groups, shut_down
-from .requests import to_rollout, vllm_sampling
 from .host import (RngState, cache_paths, call_environment, contained, default_cache_dir, default_threads,
                    engine_environment, threads)
+from .requests import to_rollout, vllm_sampling
 from .tp_slices import declare_slices
 from .weights import UnitFeeder, checkpoint_tensors, load_units, verified_landing
 
@@ -268,8 +274,9 @@ class VLLMRolloutEngine(RolloutEngine):
                                   f"LoRA-wrapped modules): sync the adapter alone, or build it without max_lora_rank")
 
     def own_load(self, buckets: Iterable[WeightBucket]) -> int:
-        """vLLM's `load_weights` (the packed CPU layout: its `reload_weights`), nothing written around it.
-        Serving adapters, the in-place copy: vLLM's loader does not know its LoRA-wrapped modules."""
+        """The bench's `OwnLoad`: vLLM's `load_weights` (the packed CPU layout: its `reload_weights`), nothing
+        written around it. Serving adapters, or with tp slices declared, the in-place copy: vLLM's loader
+        knows neither its LoRA-wrapped modules nor slices."""
         if self.args.max_lora_rank or self._sliced:  # vLLM's loader takes whole weights only
             return self.update_weights(buckets)
         if self.cpu_weights == "packed":
