@@ -115,20 +115,7 @@ class SGLangRolloutEngine(RolloutEngine):
         config = AutoConfig.from_pretrained(self.model_path)
         self._vocab_size = int(config.vocab_size)
         self._spec = weight_spec_of(self.model_path, self.mesh, self.dtype)
-        kwargs: dict[str, Any] = dict(
-            model_path=self.model_path, dtype=args.dtype, random_seed=args.seed, log_level="error",
-            context_length=args.max_model_len, disable_radix_cache=not opts.enable_prefix_caching,
-            skip_server_warmup=True, sleep_on_idle=opts.sleep_on_idle,
-        )
-        if self.on_gpu:
-            kwargs.update(base_gpu_id=self.device.index or 0, mem_fraction_static=opts.mem_fraction_static,
-                          enable_memory_saver=True)
-        else:
-            kwargs.update(device="cpu", attention_backend="torch_native", disable_cuda_graph=True)
-        kv_bytes = opts.kv_cache_bytes or (None if self.on_gpu else DEFAULT_CPU_KV_CACHE_BYTES)
-        if kv_bytes is not None:
-            kwargs["max_total_tokens"] = max(1, int(kv_bytes) // _kv_bytes_per_token(config, self.dtype))
-        kwargs.update(opts.engine_kwargs)
+        kwargs = self._arguments(config)
 
         self._env = {**cache_environment(self.cache_dir), **({} if self.on_gpu else cpu_environment())}
         self._tmp = Path(self._env["TMPDIR"])  # host.temp_dir: sockets and temporary files
@@ -154,6 +141,25 @@ class SGLangRolloutEngine(RolloutEngine):
         self._flat = FlatBuckets(self.device)
         self._rng = random.Random(args.seed + self.mesh.coords(self.rank)["dp"])
         self._released: set[str] = set()  # what SGLang released
+
+    def _arguments(self, config) -> dict[str, Any]:
+        """The keyword arguments of `sglang.Engine` for this engine's arguments and options."""
+        args, opts = self.args, self.options
+        kwargs: dict[str, Any] = dict(
+            model_path=self.model_path, dtype=args.dtype, random_seed=args.seed, log_level="error",
+            context_length=args.max_model_len, disable_radix_cache=not opts.enable_prefix_caching,
+            skip_server_warmup=True, sleep_on_idle=opts.sleep_on_idle,
+        )
+        if self.on_gpu:
+            kwargs.update(base_gpu_id=self.device.index or 0, mem_fraction_static=opts.mem_fraction_static,
+                          enable_memory_saver=True)
+        else:
+            kwargs.update(device="cpu", attention_backend="torch_native", disable_cuda_graph=True)
+        kv_bytes = opts.kv_cache_bytes or (None if self.on_gpu else DEFAULT_CPU_KV_CACHE_BYTES)
+        if kv_bytes is not None:
+            kwargs["max_total_tokens"] = max(1, int(kv_bytes) // _kv_bytes_per_token(config, self.dtype))
+        kwargs.update(opts.engine_kwargs)
+        return kwargs
 
     @contextmanager
     def _calling_sglang(self):
