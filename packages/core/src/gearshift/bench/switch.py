@@ -211,10 +211,10 @@ def add_switch_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def bench_switch(args: argparse.Namespace) -> int:
+    share, offload = switch_settings(args.share, args.offload)
     bench = measure_switch(args.train, args.rollout, args.model, args.switches, args.naive_switches,
                            json.loads(args.train_options), json.loads(args.rollout_options),
-                           *switch_settings(args.share, args.offload), lora_r=args.lora_r,
-                           against_whole=args.against_whole)
+                           share=share, offload=offload, lora_r=args.lora_r, against_whole=args.against_whole)
     if gdist.rank() == 0:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
