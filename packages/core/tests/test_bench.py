@@ -44,3 +44,18 @@ def test_the_switch_benchmark_measures_a_pair_without_an_own_load(gearshift_mode
     assert bench.engine_load_s > 0 and bench.copy_s > 0 and bench.sync_s > 0
     assert bench.bytes == rollout.weight_spec().nbytes  # one rank: every weight comes from itself
     assert "own load" in bench.table()
+
+
+def test_bench_switch_takes_share_and_offload_as_the_run_config_does(gearshift_model, tmp_path, capsys):
+    import json
+
+    from gearshift.cli import main
+
+    assert main(["bench", "switch", "--train", "torch", "--rollout", "hf", "--model", gearshift_model,
+                 "--switches", "1", "--naive-switches", "1", "--share", "off", "--offload", "optimizer",
+                 "--out", str(tmp_path)]) == 0
+    written = json.loads((tmp_path / "switch-torch-hf-copy-optimizer.json").read_text())
+    assert written["shared"] is False  # the hf engine could share the torch trainer's tensors: off copies
+    phases = {p["name"] for p in written["to_rollout"]["phases"]}
+    assert "offload" in phases, phases  # tags given: moved every switch (auto moves nothing on a CPU)
+    assert "naive resharder" in capsys.readouterr().out
