@@ -115,20 +115,7 @@ class SGLangRolloutEngine(RolloutEngine):
         config = AutoConfig.from_pretrained(self.model_path)
         self._vocab_size = int(config.vocab_size)
         self._spec = weight_spec_of(self.model_path, self.mesh, self.dtype)
-        kwargs: dict[str, Any] = dict(
-            model_path=self.model_path, dtype=args.dtype, random_seed=args.seed, log_level="error",
-            context_length=args.max_model_len, disable_radix_cache=not opts.enable_prefix_caching,
-            skip_server_warmup=True, sleep_on_idle=opts.sleep_on_idle,
-        )
-        if self.on_gpu:
-            kwargs.update(base_gpu_id=self.device.index or 0, mem_fraction_static=opts.mem_fraction_static,
-                          enable_memory_saver=True)
-        else:
-            kwargs.update(device="cpu", attention_backend="torch_native", disable_cuda_graph=True)
-        kv_bytes = opts.kv_cache_bytes or (None if self.on_gpu else DEFAULT_CPU_KV_CACHE_BYTES)
-        if kv_bytes is not None:
-            kwargs["max_total_tokens"] = max(1, int(kv_bytes) // _kv_bytes_per_token(config, self.dtype))
-        kwargs.update(opts.engine_kwargs)
+        kwargs = self._arguments(config)
 
         self._env = {**cache_environment(self.cache_dir), **({} if self.on_gpu else cpu_environment())}
         self._tmp = Path(self._env["TMPDIR"])  # host.temp_dir: sockets and temporary files
@@ -153,8 +140,26 @@ class SGLangRolloutEngine(RolloutEngine):
         self._tokenizer = self._engine.tokenizer_manager.tokenizer
         self._flat = FlatBuckets(self.device)
         self._rng = random.Random(args.seed + self.mesh.coords(self.rank)["dp"])
-        self._asleep: set[str] = set()  # what the caller put to sleep
         self._released: set[str] = set()  # what SGLang released
+
+    def _arguments(self, config) -> dict[str, Any]:
+        """The keyword arguments of `sglang.Engine` for this engine's arguments and options."""
+        args, opts = self.args, self.options
+        kwargs: dict[str, Any] = dict(
+            model_path=self.model_path, dtype=args.dtype, random_seed=args.seed, log_level="error",
+            context_length=args.max_model_len, disable_radix_cache=not opts.enable_prefix_caching,
+            skip_server_warmup=True, sleep_on_idle=opts.sleep_on_idle,
+        )
+        if self.on_gpu:
+            kwargs.update(base_gpu_id=self.device.index or 0, mem_fraction_static=opts.mem_fraction_static,
+                          enable_memory_saver=True)
+        else:
+            kwargs.update(device="cpu", attention_backend="torch_native", disable_cuda_graph=True)
+        kv_bytes = opts.kv_cache_bytes or (None if self.on_gpu else DEFAULT_CPU_KV_CACHE_BYTES)
+        if kv_bytes is not None:
+            kwargs["max_total_tokens"] = max(1, int(kv_bytes) // _kv_bytes_per_token(config, self.dtype))
+        kwargs.update(opts.engine_kwargs)
+        return kwargs
 
     @contextmanager
     def _calling_sglang(self):
@@ -167,9 +172,6 @@ class SGLangRolloutEngine(RolloutEngine):
     # --- generation -----------------------------------------------------------------------
     def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams) -> list[Rollout]:
         self.check_prompts(prompts, sampling, self._vocab_size)
-        if self._asleep:
-            raise RolloutError(f"the engine's {sorted(self._asleep)} are asleep: call wake() first "
-                               f"(and update the weights, which sleep discards)")
         ids = [[int(t) for t in p] for p in prompts for _ in range(sampling.n)]
         params = [self._sampling(sampling, len(p)) for p in prompts for _ in range(sampling.n)]
         with self._calling_sglang():
@@ -208,7 +210,7 @@ class SGLangRolloutEngine(RolloutEngine):
         Each bucket is checked before any of it is sent; the buckets before a bad one stay applied.
         The prefix cache is flushed once, after the last bucket, however the update ends.
         """
-        if "weights" in self._asleep or "weights" in self._released:
+        if "weights" in self.asleep or "weights" in self._released:
             raise RolloutError("the engine's weights are asleep: call wake(['weights']) before updating them")
         loaded, applied = 0, 0
         with self._calling_sglang():
@@ -262,7 +264,7 @@ class SGLangRolloutEngine(RolloutEngine):
     # --- memory -----------------------------------------------------------------------------
     def sleep(self, tags: Sequence[str] = ROLLOUT_TAGS) -> None:
         """Release the tags through SGLang (`release_memory`), or only mark them; the prefix cache is dropped."""
-        tags = set(self._tags(tags)) - self._asleep
+        tags = set(self._tags(tags)) - self.asleep
         if not tags:
             return
         with self._calling_sglang():
@@ -273,7 +275,7 @@ class SGLangRolloutEngine(RolloutEngine):
                     sglang_tags = [tag, "cuda_graph"] if tag == "weights" and self.on_gpu else [tag]
                     self._engine.release_memory_occupation(tags=sglang_tags)
                     self._released.add(tag)
-        self._asleep |= tags
+        self.asleep |= tags
 
     def wake(self, tags: Sequence[str] = ROLLOUT_TAGS) -> None:
         """Resume what SGLang released, weights before the KV cache (woken weights still need an update)."""
@@ -283,7 +285,7 @@ class SGLangRolloutEngine(RolloutEngine):
                 sglang_tags = [tag, "cuda_graph"] if tag == "weights" and self.on_gpu else [tag]
                 self._engine.resume_memory_occupation(tags=sglang_tags)
                 self._released.discard(tag)
-        self._asleep -= tags
+        self.asleep -= tags
 
     def resident_bytes(self) -> dict[str, int]:
         """Bytes the scheduler process holds in the model's parameters and the KV cache, measured there."""

@@ -9,8 +9,8 @@ start method (`spawn`, forced), the stack size limit, the root logger (a
 handler, and its level), and Python's random generator. Its sockets and
 temporary files go to the temporary directory.
 
-`contained()` records all of this before a block that calls into SGLang and
-puts it back after; SGLang's own variables (`SGLANG_*`) stay, since SGLang
+`contained()` (the core's `gearshift.containment`) records all of this before a
+block that calls into SGLang and puts it back after; SGLang's own variables (`SGLANG_*`) stay, since SGLang
 reads them later. Around each later call the engine sets SGLang's event loop
 policy again (its coroutines run on its loop). SIGQUIT stays SGLang's while an
 engine runs: its scheduler process sends it when it fails, and SGLang's handler
@@ -25,23 +25,17 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
-import multiprocessing
 import os
-import random
-import resource
 import signal
-import tempfile
 import threading
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator
 
-import torch
+from gearshift import containment
+from gearshift.containment import HostState
 
 OWN_PREFIX = "SGLANG_"
-SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGCHLD)
-LIMITS = (resource.RLIMIT_STACK, resource.RLIMIT_NOFILE)
 
 logger = logging.getLogger(__name__)
 #: SGLang's SIGQUIT handler, called only while `_running()` says an engine runs
@@ -101,85 +95,14 @@ def cache_environment(root: str | os.PathLike) -> dict[str, str]:
     }
 
 
-@dataclass
-class HostState:
-    environ: dict[str, str]
-    handlers: dict
-    start_method: str | None
-    limits: dict
-    root_handlers: list
-    root_level: int
-    python_rng: tuple
-    torch_rng: torch.Tensor
-    numpy_rng: tuple | None
-    tempdir: str | None
-    loop_policy: asyncio.AbstractEventLoopPolicy
-    changed_env: dict[str, tuple[str | None, str | None]] = field(default_factory=dict)
-
-    @classmethod
-    def capture(cls) -> "HostState":
-        root = logging.getLogger()
-        return cls(dict(os.environ), {s: signal.getsignal(s) for s in SIGNALS},
-                   multiprocessing.get_start_method(allow_none=True), {r: resource.getrlimit(r) for r in LIMITS},
-                   list(root.handlers), root.level, random.getstate(), torch.get_rng_state(), _numpy_state(),
-                   tempfile.tempdir, asyncio.get_event_loop_policy())
-
-    def restore(self) -> None:
-        for s, handler in self.handlers.items():
-            if signal.getsignal(s) is not handler and handler is not None:
-                signal.signal(s, handler)
-        if multiprocessing.get_start_method(allow_none=True) != self.start_method:
-            multiprocessing.set_start_method(self.start_method, force=True)
-        for r, limit in self.limits.items():
-            if resource.getrlimit(r) != limit:
-                try:
-                    resource.setrlimit(r, limit)
-                except (ValueError, OSError):
-                    pass
-        root = logging.getLogger()
-        root.handlers[:] = self.root_handlers
-        root.setLevel(self.root_level)
-        random.setstate(self.python_rng)
-        torch.set_rng_state(self.torch_rng)
-        if self.numpy_rng is not None:
-            import numpy
-
-            numpy.random.set_state(self.numpy_rng)
-        tempfile.tempdir = self.tempdir
-        asyncio.set_event_loop_policy(self.loop_policy)
-        for key in set(os.environ) | set(self.environ):
-            if key.startswith(OWN_PREFIX):
-                continue
-            before, now = self.environ.get(key), os.environ.get(key)
-            if before == now:
-                continue
-            self.changed_env[key] = (before, now)
-            if before is None:
-                del os.environ[key]
-            else:
-                os.environ[key] = before
-
-
-def _numpy_state():
-    try:
-        import numpy
-    except ImportError:
-        return None
-    return numpy.random.get_state()
-
-
 @contextmanager
 def contained(env: dict[str, str], tmp: str | os.PathLike | None = None,
               loop_policy: asyncio.AbstractEventLoopPolicy | None = None) -> Iterator[HostState]:
     """Run a block that calls into SGLang with `env` set (and its event loop policy), the host's state put
-    back afterwards."""
-    state = HostState.capture()
-    os.environ.update(env)
-    if tmp is not None:
-        tempfile.tempdir = str(tmp)
-    if loop_policy is not None:
-        asyncio.set_event_loop_policy(loop_policy)
-    try:
+    back afterwards (`gearshift.containment`); SGLang's own variables (SGLANG_*) stay."""
+    with containment.contained(env, tmp, keep=OWN_PREFIX, loop_policy=loop_policy) as state:
         yield state
-    finally:
-        state.restore()
+
+
+__all__ = ["HostState", "MAX_SOCKET_DIR", "OWN_PREFIX", "cache_environment", "contained", "default_cache_dir",
+           "guard_sigquit", "temp_dir"]

@@ -4,21 +4,20 @@ Importing vLLM and starting an engine change global state that belongs to the
 host: torch's thread count (and `torch.set_num_threads`, which the CPU worker
 replaces with a no-op), the random generators (the worker seeds them), and
 environment variables that other code reads (`LOCAL_WORLD_SIZE`, `LD_PRELOAD`,
-`TORCHINDUCTOR_*`). `HostState` records them before and puts them back after.
-Its caches, sockets and temporary files go under one folder (`cache_paths`).
+`TORCHINDUCTOR_*`). The core's containment (`gearshift.containment`: `HostState`,
+`RngState`) records them before and puts them back after; this module says
+what is vLLM's own. Its caches, sockets and temporary files go under one folder (`cache_paths`).
 """
 
 from __future__ import annotations
 
 import os
-import random
-import tempfile
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator
 
-import torch
+from gearshift import containment
+from gearshift.containment import HostState, RngState, threads
 
 #: vLLM's own variables stay as vLLM left them: only vLLM reads them, and it reads some after start-up
 OWN_PREFIX = "VLLM_"
@@ -53,88 +52,6 @@ def engine_environment(root: str | os.PathLike, kv_cache_gib: int | None = None)
     return env
 
 
-@dataclass
-class RngState:
-    """The global generators vLLM draws from or reseeds: torch (CPU and CUDA), `random`, numpy."""
-
-    torch_cpu: torch.Tensor
-    torch_cuda: list[torch.Tensor] | None
-    python: tuple
-    numpy: tuple | None
-
-    @classmethod
-    def capture(cls) -> "RngState":
-        cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
-        return cls(torch.get_rng_state(), cuda, random.getstate(), _numpy_state())
-
-    def restore(self) -> None:
-        torch.set_rng_state(self.torch_cpu)
-        if self.torch_cuda is not None:
-            torch.cuda.set_rng_state_all(self.torch_cuda)
-        random.setstate(self.python)
-        if self.numpy is not None:
-            import numpy
-
-            numpy.random.set_state(self.numpy)
-
-    @classmethod
-    def seeded(cls, seed: int) -> "RngState":
-        """A fresh state for the engine's own draws, so unseeded sampling never touches the host's."""
-        outer = cls.capture()
-        try:
-            torch.manual_seed(seed)
-            random.seed(seed)
-            return cls.capture()
-        finally:
-            outer.restore()
-
-
-def _numpy_state():
-    try:
-        import numpy
-    except ImportError:
-        return None
-    return numpy.random.get_state()
-
-
-@dataclass
-class HostState:
-    """What vLLM changes in the host process, recorded so it can be put back."""
-
-    threads: int
-    set_num_threads: object
-    matmul_precision: str  # vLLM's GPU worker sets torch.set_float32_matmul_precision for the process
-    environ: dict[str, str]
-    rng: RngState
-    tempdir: str | None
-    changed_env: dict[str, tuple[str | None, str | None]] = field(default_factory=dict)
-
-    @classmethod
-    def capture(cls) -> "HostState":
-        return cls(torch.get_num_threads(), torch.set_num_threads, torch.get_float32_matmul_precision(),
-                   dict(os.environ), RngState.capture(), tempfile.tempdir)
-
-    def restore(self) -> None:
-        """Put back threads, `torch.set_num_threads`, matmul precision, the generators, `tempfile.tempdir`
-        and non-vLLM variables."""
-        torch.set_num_threads = self.set_num_threads
-        torch.set_num_threads(self.threads)
-        torch.set_float32_matmul_precision(self.matmul_precision)
-        self.rng.restore()
-        tempfile.tempdir = self.tempdir
-        for key in set(os.environ) | set(self.environ):
-            if key.startswith(OWN_PREFIX):
-                continue
-            before, now = self.environ.get(key), os.environ.get(key)
-            if before == now:
-                continue
-            self.changed_env[key] = (before, now)
-            if before is None:
-                del os.environ[key]
-            else:
-                os.environ[key] = before
-
-
 def call_environment(root: str | os.PathLike, exact_fp32: bool) -> dict[str, str]:
     """What vLLM needs set while it runs, beyond what it set itself at start-up.
 
@@ -150,19 +67,10 @@ def call_environment(root: str | os.PathLike, exact_fp32: bool) -> dict[str, str
 
 @contextmanager
 def contained(env: dict[str, str], tmp: str | os.PathLike | None = None) -> Iterator[HostState]:
-    """Run vLLM (its import, start-up, or a call) with `env` set and the host's state put back afterwards.
-
-    The variables in `env` that start with VLLM_ stay set (vLLM reads them
-    later); the others (TORCHINDUCTOR_CACHE_DIR) only last for the block.
-    """
-    state = HostState.capture()
-    os.environ.update(env)
-    if tmp is not None:
-        tempfile.tempdir = str(tmp)  # vLLM's rendezvous file for a one-process group goes to gettempdir()
-    try:
+    """Run vLLM (its import, start-up, or a call) with `env` set and the host's state put back afterwards
+    (`gearshift.containment`); vLLM's own variables (VLLM_*) stay set, since vLLM reads them later."""
+    with containment.contained(env, tmp, keep=OWN_PREFIX) as state:
         yield state
-    finally:
-        state.restore()
 
 
 def default_threads() -> int:
@@ -173,15 +81,5 @@ def default_threads() -> int:
         return 1
 
 
-@contextmanager
-def threads(n: int | None) -> Iterator[None]:
-    """Run the block with `n` torch threads (None: as they are), then put the host's count back."""
-    if n is None or n == torch.get_num_threads():
-        yield
-        return
-    before = torch.get_num_threads()
-    torch.set_num_threads(n)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
+__all__ = ["HostState", "OWN_PREFIX", "RngState", "cache_paths", "call_environment", "contained", "default_cache_dir",
+           "default_threads", "engine_environment", "threads"]

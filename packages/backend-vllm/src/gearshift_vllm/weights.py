@@ -12,6 +12,7 @@ the load between units, never inside one, and the engine keeps serving.
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Iterable, Iterator, Mapping
 
 import torch
@@ -169,3 +170,15 @@ def verified_landing(views: Mapping[str, torch.Tensor],
             out[name] = view
     out.update({n: v for n, v in uniform.items() if n.rpartition(".")[0] not in failed_modules})
     return out
+
+
+def checkpoint_tensors(model_path: str, spec: WeightSpec) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) of the folder's safetensors files for the weights of `spec`, one file open at a time."""
+    from safetensors import safe_open
+
+    wanted = set(spec.names()) | set(spec.aliases)
+    for f in sorted(Path(model_path).glob("*.safetensors")):
+        with safe_open(str(f), framework="pt") as st:
+            for key in st.keys():
+                if key in wanted:
+                    yield spec.canonical(key), st.get_tensor(key)

@@ -130,6 +130,9 @@ class RolloutEngine(Buildable, ABC):
     device: torch.device
     mesh: MeshSpec
     max_model_len: int
+    #: the tags the caller put to sleep and has not woken since: an engine's `sleep` adds them and its
+    #: `wake` takes them away; while any is asleep, `check_prompts` (and so `generate`) raises `RolloutError`
+    asleep: set[str]
 
     def __init__(self, args: RolloutArgs, options: Any = None) -> None:
         if args.max_lora_rank < 0:
@@ -138,12 +141,14 @@ class RolloutEngine(Buildable, ABC):
             raise ValueError(f"{type(self).__name__} cannot serve LoRA adapters (max_lora_rank="
                              f"{args.max_lora_rank}): sync the merged weights instead (max_lora_rank=0)")
         super().__init__(args, options)
+        self.asleep = set()
 
     @abstractmethod
     def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams) -> list[Rollout]:
         """`sampling.n` rollouts per prompt, grouped by prompt in order, with temperature-1 logprobs.
 
-        Raises `RolloutError` on input no engine can serve (`check_prompts`) and while any tag sleeps.
+        Raises `RolloutError` on input no engine can serve and while any tag sleeps (`check_prompts`
+        checks both: call it first).
         """
 
     @abstractmethod
@@ -161,11 +166,6 @@ class RolloutEngine(Buildable, ABC):
         prefix cache is dropped once the update ends, however it ends. Raises `RolloutError`
         while the weights sleep.
         """
-
-    def own_load(self, buckets: Iterable[WeightBucket]) -> int:
-        """The engine's own way of loading weights from memory, with nothing of gearshift's in between
-        (benchmarks compare a sync with it). Default: `update_weights`."""
-        return self.update_weights(buckets)
 
     def share_weights(self, buckets: Iterable[WeightBucket]) -> int:
         """Serve from the buckets' tensors themselves, copying nothing; returns the bytes now borrowed.
@@ -217,7 +217,8 @@ class RolloutEngine(Buildable, ABC):
 
     def check_prompts(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams,
                       vocab_size: int | None = None) -> None:
-        """Raise `RolloutError` on input no engine can serve, before any work starts."""
+        """Raise `RolloutError` on input no engine can serve, or while any tag is `asleep`, before any work
+        starts."""
         if not isinstance(sampling, SamplingParams):
             raise RolloutError(f"sampling must be a SamplingParams, got {type(sampling).__name__}")
         if len(prompts) == 0:
@@ -234,6 +235,9 @@ class RolloutEngine(Buildable, ABC):
                 )
             if vocab_size is not None and (min(p) < 0 or max(p) >= vocab_size):
                 raise RolloutError(f"prompt {i} has token ids outside [0, {vocab_size})")
+        if getattr(self, "asleep", None):
+            raise RolloutError(f"the engine's {sorted(self.asleep)} are asleep: call wake() first "
+                               f"(and update the weights, which sleep discards)")
 
     @staticmethod
     def _tags(tags: Sequence[str]) -> list[str]:

@@ -58,7 +58,6 @@ class HFRolloutEngine(RolloutEngine):
         self._spec = WeightSpec(self.mesh, tuple(
             ParamSpec(n, tuple(p.shape), p.dtype, tp_placement(p, self.mesh)) for n, p in self._params.items()
         ), aliases)
-        self._asleep: set[str] = set()
         self._borrowed: set[str] = set()  # weights whose storage is the caller's (share_weights)
         self._pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         with self._generators():  # the engine's own generators, seeded by args.seed: unseeded sampling draws here
@@ -109,9 +108,6 @@ class HFRolloutEngine(RolloutEngine):
     # --- generation -----------------------------------------------------------------------
     def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams) -> list[Rollout]:
         self.check_prompts(prompts, sampling, self.model.config.vocab_size)
-        if self._asleep:
-            raise RolloutError(f"the engine's {sorted(self._asleep)} are asleep: call wake() first (and update "
-                               f"the weights, which sleep discards)")
         if self._tp_group is not None:
             sampling = self._in_step([list(map(int, p)) for p in prompts], sampling)
         out: list[Rollout] = []
@@ -184,7 +180,7 @@ class HFRolloutEngine(RolloutEngine):
 
     @torch.no_grad()
     def update_weights(self, buckets: Iterable[WeightBucket]) -> int:
-        if "weights" in self._asleep:
+        if "weights" in self.asleep:
             raise RolloutError("the engine's weights are asleep: call wake(['weights']) before updating them")
         handed, applied = 0, 0
         try:
@@ -225,7 +221,7 @@ class HFRolloutEngine(RolloutEngine):
                 self._local[name] = self._params[name]
                 self._borrowed.add(name)
                 borrowed += tensor.numel() * tensor.element_size()
-        self._asleep.discard("weights")
+        self.asleep.discard("weights")
         self.reset_cache()
         return borrowed
 
@@ -233,7 +229,7 @@ class HFRolloutEngine(RolloutEngine):
         """Weights are dropped (the next sync refills them); generate keeps no KV cache between calls."""
         self.reset_cache()
         for tag in self._tags(tags):
-            if tag == "weights" and tag not in self._asleep:
+            if tag == "weights" and tag not in self.asleep:
                 for name, p in self._params.items():
                     if self._tp_group is not None:  # a DTensor's own storage is let go of, and taken back on wake
                         self._local[name].untyped_storage().resize_(0)
@@ -241,12 +237,12 @@ class HFRolloutEngine(RolloutEngine):
                         p.data = torch.empty(0, dtype=p.dtype, device=p.device)
                         self._local[name] = p
                 self._borrowed.clear()
-            self._asleep.add(tag)
+            self.asleep.add(tag)
 
     def wake(self, tags: Sequence[str] = ("weights", "kv_cache")) -> None:
         by_name = self._spec.by_name()
         for tag in self._tags(tags):
-            if tag == "weights" and tag in self._asleep:
+            if tag == "weights" and tag in self.asleep:
                 for name, p in self._params.items():
                     if self._tp_group is not None:
                         local = self._local[name]
@@ -254,7 +250,7 @@ class HFRolloutEngine(RolloutEngine):
                     else:
                         p.data = torch.empty(by_name[name].shape, dtype=p.dtype, device=p.device)
                         self._local[name] = p
-            self._asleep.discard(tag)
+            self.asleep.discard(tag)
 
     def reset_cache(self) -> None:
         """`generate` builds a fresh KV cache per call: there is no prefix cache to drop (nor one to go stale)."""

@@ -1,0 +1,150 @@
+"""What a vLLM engine is started with, and the checks that refuse a start before vLLM runs.
+
+`engine_arguments` is a pure function of the engine's arguments, its options and
+where it runs: it imports nothing of vLLM, so it is tested without starting one.
+The checks that need vLLM's own registry or allocator (`check_architecture`,
+`check_sleep_allocator_free`) take it, or import it, only when called.
+"""
+
+from __future__ import annotations
+
+import typing
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import torch
+
+from gearshift.options import option
+from gearshift.rollout import RolloutArgs, RolloutError
+
+from .cpu_loader import choose_layout
+
+DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30
+
+
+@dataclass(frozen=True)
+class VLLMOptions:
+    """The vllm backend's own options (`VLLMRolloutEngine.Options`)."""
+
+    cache_dir: str | None = option(None, "vLLM's caches, sockets and temporary files (default "
+                                         "~/.cache/gearshift/vllm)")
+    kv_cache_bytes: int | None = option(None, "KV cache size (CPU default 1 GiB; GPU default: "
+                                              "gpu_memory_utilization)")
+    gpu_memory_utilization: float = option(0.5, "share of GPU memory vLLM may take (GPU only)")
+    sleep_level: int = option(2, "GPU sleep: 2 discards the weights (the next sync refills them), 1 keeps a "
+                                 "host copy (always 1 when serving adapters)", choices=(1, 2))
+    enable_prefix_caching: bool = option(True, "reuse keys and values of shared prompt prefixes")
+    enforce_eager: bool = option(True, "no CUDA graphs / torch.compile (fast start)")
+    num_threads: int | None = option(None, "torch threads while vLLM runs (None: OMP_NUM_THREADS, else 1)")
+    cpu_weights: str = option("auto", "CPU weight layout: plain (written in place), packed (oneDNN, re-packed "
+                                      "each sync), auto (plain for float32)", choices=("auto", "plain", "packed"))
+    tp_slices: bool = option(True, "with tp > 1, declare each rank's slice of the tensor-parallel weights, so a "
+                                   "sync sends each rank only what it keeps (False: whole weights, which "
+                                   "vLLM's loaders cut on arrival)")
+    engine_kwargs: dict[str, Any] = option({}, "passed to vllm.LLM as they are")
+
+
+def cpu_layout(options, dtype: torch.dtype, on_gpu: bool) -> str | None:
+    """The CPU weight layout ("plain" or "packed") the options pick for `dtype`; None on GPU."""
+    return None if on_gpu else choose_layout(options.cpu_weights, dtype)
+
+
+def engine_arguments(args: RolloutArgs, options, *, tp: int, world_size: int, on_gpu: bool,
+                     lora_ranks: Sequence[int] | None = None) -> dict[str, Any]:
+    """The keyword arguments of `vllm.LLM` for `args` and the engine's `options`, on `world_size` ranks with
+    `tp` of them per engine, on a GPU or a CPU.
+
+    `lora_ranks`: the adapter ranks this vLLM accepts (`lora_ranks()`; None: any). Raises `ValueError` on a
+    combination vLLM would fail on, naming the option to change. The CPU plain layout's `load_format` is
+    left for the engine to fill in (it registers the loader with vLLM).
+    """
+    kwargs: dict[str, Any] = dict(
+        model=args.model, dtype=args.dtype, seed=args.seed, max_model_len=args.max_model_len,
+        enforce_eager=options.enforce_eager, enable_prefix_caching=options.enable_prefix_caching,
+        tensor_parallel_size=tp,
+        # logprobs of the model's own distribution, before temperature, top-k and top-p
+        logprobs_mode="raw_logprobs",
+    )
+    if world_size > 1:
+        kwargs["distributed_executor_backend"] = "external_launcher"
+    if args.max_lora_rank:  # one adapter slot, reloaded in place on every sync
+        kwargs.update(enable_lora=True, max_loras=1, max_cpu_loras=1,
+                      max_lora_rank=fitting_lora_rank(args.max_lora_rank, lora_ranks))
+    if on_gpu:
+        kwargs.update(enable_sleep_mode=True, gpu_memory_utilization=options.gpu_memory_utilization)
+        if options.kv_cache_bytes is not None:
+            kwargs["kv_cache_memory_bytes"] = int(options.kv_cache_bytes)
+    else:
+        kwargs["kv_cache_memory_bytes"] = int(options.kv_cache_bytes or DEFAULT_CPU_KV_CACHE_BYTES)
+    kwargs.update(options.engine_kwargs)
+    check_layout(args, kwargs, on_gpu, cpu_layout(options, args.torch_dtype, on_gpu))
+    return kwargs
+
+
+def check_layout(args: RolloutArgs, kwargs: dict[str, Any], on_gpu: bool, cpu_weights: str | None) -> None:
+    """Refuse adapters and weight layouts vLLM cannot serve together."""
+    if args.max_lora_rank and on_gpu and args.torch_dtype not in (torch.float16, torch.bfloat16):
+        raise ValueError(f"vLLM's GPU LoRA kernels take float16 or bfloat16 weights, not {args.dtype}: serve "
+                         f"adapters in half precision (rollout.dtype=bfloat16), or sync merged weights")
+    if args.max_lora_rank and cpu_weights == "packed":
+        raise ValueError("serving LoRA adapters on a CPU needs the plain weight layout: cpu_weights='plain'")
+    if cpu_weights == "plain" and kwargs.get("load_format", "auto") not in ("auto", "safetensors"):
+        raise ValueError(f"cpu_weights='plain' loads local safetensors itself; load_format="
+                         f"{kwargs['load_format']!r} needs cpu_weights='packed'")
+
+
+def fitting_lora_rank(rank: int, allowed: Sequence[int] | None) -> int:
+    """The smallest of the `allowed` adapter ranks that holds `rank` (None: `rank` itself)."""
+    if allowed is None:
+        return rank
+    fits = sorted(a for a in allowed if a >= rank)
+    if not fits:
+        raise ValueError(f"max_lora_rank={rank}: vLLM serves adapters up to rank {max(allowed)}")
+    return fits[0]
+
+
+def lora_ranks() -> list[int] | None:
+    """The adapter ranks the installed vLLM accepts for `max_lora_rank` (None: it does not list them)."""
+    try:
+        from vllm.config.lora import MaxLoRARanks
+    except ImportError:  # another vLLM: it takes the rank as it is, or says what it takes
+        return None
+    return sorted(typing.get_args(MaxLoRARanks))
+
+
+def check_architecture(vllm, config) -> None:
+    """Refuse, before vLLM starts, a model it would only run through its Transformers fallback.
+
+    That fallback keeps no weight layout of its own that `load_weights` writes in place,
+    and a failed start leaves vLLM's process-wide config unset, which breaks every later
+    engine in the process ("Current vLLM config is not set").
+    """
+    archs = list(getattr(config, "architectures", None) or [])
+    entries = [vllm.ModelRegistry.models.get(a) for a in archs]
+    native = [a for a, e in zip(archs, entries) if e is not None and not e.module_name.endswith(".transformers")]
+    if not native:
+        raise ValueError(
+            f"vLLM {vllm.__version__} has no implementation of its own for {archs or 'this model'} (it would run "
+            f"it through its Transformers fallback, which the vllm backend does not support): pick another "
+            f"rollout backend for this model, e.g. rollout.backend=hf")
+
+
+def sleep_allocator_in_use() -> int:
+    """Bytes vLLM's sleep-mode allocator (its process-wide CuMemAllocator) still holds (0: none, or unused)."""
+    try:
+        from vllm.device_allocator.cumem import CuMemAllocator
+    except ImportError:
+        return 0
+    instance = getattr(CuMemAllocator, "instance", None)
+    return int(instance.get_current_usage()) if instance is not None else 0
+
+
+def check_sleep_allocator_free() -> None:
+    """Refuse, before vLLM starts, a second engine with sleep mode in a process whose first one's memory is
+    still held: vLLM's allocator serves one engine per process and would fail deep inside its start."""
+    held = sleep_allocator_in_use()
+    if held:
+        raise RolloutError(
+            f"vLLM's sleep-mode allocator serves one engine per process, and it still holds {held / 2**30:.1f} GiB "
+            f"from an engine built earlier in this process (closed or not): build the next vllm engine in a new "
+            f"process (the gearshift benchmarks run one model per process)")

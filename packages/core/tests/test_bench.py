@@ -1,0 +1,61 @@
+"""The benchmark package: its switch settings read as the run config reads them, the own-load hook it checks for,
+and the switch benchmark on the reference pair."""
+
+import pytest
+
+from gearshift.backends.hf_rollout import HFRolloutEngine
+from gearshift.backends.torch_train import TorchTrainEngine
+from gearshift.bench import OwnLoad, measure_pair, switch_settings
+from gearshift.rl.config import Config, SwitchConfig
+from gearshift.rl.engines import SHARE
+
+
+@pytest.mark.parametrize("share, offload", [("auto", "auto"), ("on", "none"), ("off", "optimizer, grads"),
+                                            ("off", "")])
+def test_switch_settings_are_the_run_config_own(share, offload):
+    cfg = Config(switch=SwitchConfig(share=share, offload=offload))
+    assert switch_settings(share, offload) == (SHARE[cfg.switch.share], cfg.offload_tags())
+
+
+def test_switch_settings_read_tags_and_none():
+    assert switch_settings("off", "optimizer,grads") == (False, ["optimizer", "grads"])
+    assert switch_settings("auto", "none") == (None, [])
+
+
+class Loads:
+    def own_load(self, buckets):
+        return 0
+
+
+def test_own_load_is_a_hook_engines_may_have():
+    assert isinstance(Loads(), OwnLoad)
+    assert not isinstance(object(), OwnLoad)
+    assert not hasattr(HFRolloutEngine, "own_load"), "the rollout interface no longer declares own_load"
+
+
+def test_the_switch_benchmark_measures_a_pair_without_an_own_load(gearshift_model, tmp_path):
+    train = TorchTrainEngine.build(gearshift_model, lr=1e-2)
+    rollout = HFRolloutEngine.build(gearshift_model)
+    try:
+        bench = measure_pair(train, rollout, switches=1, naive_switches=1, naive_dir=str(tmp_path), share=False)
+    finally:
+        train.close()
+        rollout.close()
+    assert bench.engine_load_s > 0 and bench.copy_s > 0 and bench.sync_s > 0
+    assert bench.bytes == rollout.weight_spec().nbytes  # one rank: every weight comes from itself
+    assert "own load" in bench.table()
+
+
+def test_bench_switch_takes_share_and_offload_as_the_run_config_does(gearshift_model, tmp_path, capsys):
+    import json
+
+    from gearshift.cli import main
+
+    assert main(["bench", "switch", "--train", "torch", "--rollout", "hf", "--model", gearshift_model,
+                 "--switches", "1", "--naive-switches", "1", "--share", "off", "--offload", "optimizer",
+                 "--out", str(tmp_path)]) == 0
+    written = json.loads((tmp_path / "switch-torch-hf-copy-optimizer.json").read_text())
+    assert written["shared"] is False  # the hf engine could share the torch trainer's tensors: off copies
+    phases = {p["name"] for p in written["to_rollout"]["phases"]}
+    assert "offload" in phases, phases  # tags given: moved every switch (auto moves nothing on a CPU)
+    assert "naive resharder" in capsys.readouterr().out
