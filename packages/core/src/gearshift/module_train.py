@@ -40,6 +40,7 @@ from .lora import LoraWeights, add_lora, hf_name
 from .mesh import Placement
 from .offload import HostStash
 from .options import option
+from .reshard import export_weights
 from .tags import TRAIN_TAGS, check_tags
 from .train import LossFn, PolicyOutput, TrainArgs, TrainBatch, TrainEngine, token_logprobs
 from .weights import Adapter, ParamSpec, WeightSpec
@@ -439,7 +440,7 @@ class ModuleTrainEngine(TrainEngine):
         """
         rank = gdist.rank()
         state: dict[str, torch.Tensor] = {}
-        for bucket in self.export_weights():
+        for bucket in export_weights(self):
             if rank == 0:
                 state.update((k, v.detach().to("cpu", copy=True)) for k, v in bucket.items())
         adapter = self.export_adapter()  # every rank: it may gather

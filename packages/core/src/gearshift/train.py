@@ -23,9 +23,8 @@ import torch
 
 from .mesh import MeshSpec
 from .options import Buildable, EngineArgs, option
-from .reshard import DEFAULT_BUCKET_BYTES, plan_reshard, stream_plan
 from .tags import TRAIN_TAGS, check_tags
-from .weights import Adapter, WeightBucket, WeightSpec
+from .weights import Adapter, WeightSpec
 
 
 @dataclass(frozen=True)
@@ -211,19 +210,11 @@ class TrainEngine(Buildable, ABC):
         """
         return nullcontext()
 
-    def export_weights(self, spec: WeightSpec | None = None,
-                       bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> Iterator[WeightBucket]:
-        """The weights in the layout `spec` asks for (default: whole on every rank), bucket by bucket."""
-        mine = self.weight_spec()
-        target = spec if spec is not None else mine.replicated()
-        yield from stream_plan(plan_reshard(mine, target, bucket_bytes), self.local_weights,
-                               materialized=self.materialized)
-
     def export_adapter(self) -> Adapter | None:
         """The LoRA adapter this engine trains, whole on every rank (None: it trains no adapter).
 
         Every rank calls it (it may gather). The adapter sync (`AdapterResharder`) hands it to a
-        rollout engine that serves adapters, instead of the merged weights `export_weights` gives.
+        rollout engine that serves adapters, instead of the merged weights `gearshift.reshard.export_weights` gives.
         """
         return None
 
