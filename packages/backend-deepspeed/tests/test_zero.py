@@ -89,7 +89,7 @@ def test_weight_spec_has_full_shapes_and_gathers_to_the_model(gearshift_model, s
     assert all(torch.equal(got[n], want[n]) for n in names)
     if stage == 3:  # outside a gather a parameter holds nothing; its partition is this rank's share
         world = gdist.world_size()
-        for name, p in engine._params.items():
+        for name, p in engine.trained.items():
             assert p.numel() == 0 and p.ds_tensor.numel() == math.ceil(p.ds_numel / world), name
 
 

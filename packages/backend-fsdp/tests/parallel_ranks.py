@@ -62,14 +62,15 @@ def full(t: torch.Tensor) -> torch.Tensor:
 def check(model_path: str, mesh: MeshSpec, padded: bool = True) -> dict:
     from gearshift_fsdp.engine import FSDPTrainEngine
 
-    engine = FSDPTrainEngine.build(model_path, mesh=mesh, lr=LR, param_dtype="float32", max_grad_norm=None)
+    engine = FSDPTrainEngine.build(model_path, mesh=mesh, lr=LR, param_dtype="float32", max_grad_norm=None,
+                                   keep_grads=True)
     spec = engine.weight_spec()
     saved = reference_weights(model_path, spec)  # the folder's weights cut as the spec says this rank holds them
     local = engine.local_weights(spec.names())
     slices_ok = all(torch.equal(local[n], saved[n]) for n in spec.names())
     dp_index = mesh.coords(gdist.rank())["dp"]
     metrics = engine.train_step(share(global_batch(padded), dp_index, mesh.dp), nll_loss)
-    grads = {n: full(p.grad).detach() for n, p in engine._params.items()}
+    grads = {n: full(p.grad).detach() for n, p in engine.trained.items()}
     shapes_ok = all(tuple(local[p.name].shape) == p.placement.local_shape(p.shape, gdist.rank()) for p in spec)
     sharded = sorted(p.name for p in spec if "tp" in str(p.placement))
     engine.close()

@@ -23,7 +23,7 @@ import torch
 from . import dist as gdist, registry
 from .hybrid import HybridActor
 from .profiler import SwitchReport, median_report, peak_memory_bytes, reset_peak_memory
-from .reshard import AdapterResharder, NaiveResharder, StreamingResharder
+from .reshard import AdapterResharder, NaiveResharder, StreamingResharder, export_weights
 from .weights import WeightBucket
 
 
@@ -259,7 +259,7 @@ def measure_pair(train, rollout, switches: int = 5, naive_switches: int = 3, nai
     bar.close()
     plan = actor.plan
     # The rollout engine's own fastest load: the same weights, already whole in memory, in one call.
-    full = {n: t.detach().clone() for b in train.export_weights(plan.dst) for n, t in b.items()}
+    full = {n: t.detach().clone() for b in export_weights(train, plan.dst) for n, t in b.items()}
     rollout.wake(["weights"])
     engine_load_s = _median_seconds(lambda: rollout.own_load([WeightBucket(full)]), max(switches, 1))
     rollout.sleep(["weights", "kv_cache"])
