@@ -176,7 +176,8 @@ class TrainEngine(Buildable, ABC):
     """A trainer of one causal LM over a mesh of ranks; names of weights are Hugging Face names.
 
     Subclass it (or `gearshift.module_train.ModuleTrainEngine`, which does most of the work
-    for a trainer built on a torch module), declare `Options`, implement
+    for a trainer built on a torch module and takes its layout as a `gearshift.sharding.Sharding`),
+    declare `Options`, implement
     `__init__(self, args, options)` (call `super().__init__(args, options)`, set `device`) and
     the abstract methods below.
     """
@@ -191,6 +192,8 @@ class TrainEngine(Buildable, ABC):
     args: TrainArgs
     device: torch.device
     mesh: MeshSpec
+    #: the dtype forward and backward compute in, when below the weights' (None: `args.dtype`'s)
+    compute_dtype: torch.dtype | None = None
 
     @abstractmethod
     def weight_spec(self) -> WeightSpec:

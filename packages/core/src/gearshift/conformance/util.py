@@ -27,7 +27,7 @@ def compute_dtype(engine) -> torch.dtype:
     if isinstance(engine, RolloutEngine):
         dtypes = {p.dtype for p in engine.weight_spec()}
     else:
-        dtypes = {getattr(engine, "compute_dtype", None) or engine.args.torch_dtype}
+        dtypes = {engine.compute_dtype or engine.args.torch_dtype}
     return max(dtypes, key=lambda d: torch.finfo(d).eps)
 
 
