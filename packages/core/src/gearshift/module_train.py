@@ -20,10 +20,10 @@ gathers the parameters its `materialized` is handed (`export_parameters(names)`)
 from __future__ import annotations
 
 import os
-from contextlib import ExitStack
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
+from typing import Iterator, Sequence
 
 import torch
 import torch.distributed as dist
@@ -123,8 +123,8 @@ class ModuleTrainEngine(TrainEngine):
         if self.lora is not None:  # each adapter merged into this rank's slice of its weight
             base, rank = self.lora.base_parameters(), gdist.rank()
             specs = self._spec.by_name()
-            return {n: self.lora.merged(n, self.sharding.local(base[n]), specs[n].placement.local_box(specs[n].shape, rank))
-                    for n in names}
+            return {n: self.lora.merged(n, self.sharding.local(base[n]),
+                                        specs[n].placement.local_box(specs[n].shape, rank)) for n in names}
         if not self.can_lend_weights:  # gathered per export (ZeRO-3): a view kept would keep the gathered storage
             return {n: self.sharding.local(self.trained[n]).detach() for n in names}
         # every sync reads every weight: each one's view is made once and kept while it still is the parameter's
@@ -149,15 +149,14 @@ class ModuleTrainEngine(TrainEngine):
         self.need_onloaded(["params"], "export the adapter")
         return self.lora.adapter(self.hf_model, self.args.model)
 
-    def materialized(self, names: list[str]):
+    @contextmanager
+    def materialized(self, names: list[str]) -> Iterator[None]:
         """What the sharding gathers for an export of `names` and, with LoRA, the adapters of `names` gathered
         whole (they are small), while the bucket is read."""
         self.need_onloaded(["params"], "export weights")
-        stack = ExitStack()
-        stack.enter_context(self.sharding.materialized(self.export_parameters(names)))
-        if self.lora is not None:
-            stack.enter_context(self.lora.gathered(names))
-        return stack
+        with self.sharding.materialized(self.export_parameters(names)), \
+                (self.lora.gathered(names) if self.lora is not None else nullcontext()):
+            yield
 
     def export_parameters(self, names: list[str]) -> list[torch.Tensor]:
         """The parameters an export of `names` reads (with LoRA: their bases and adapters)."""
@@ -166,7 +165,8 @@ class ModuleTrainEngine(TrainEngine):
     def _forward(self, batch: TrainBatch, with_entropy: bool) -> PolicyOutput:
         return self.sharding.forward(self.model, batch.to(self.device), with_entropy, self.args.value_head)
 
-    def micro_batches(self, batch: TrainBatch, training: bool = True) -> list[tuple[TrainBatch, torch.Tensor | None]]:
+    def micro_batches(self, batch: TrainBatch,
+                      training: bool = True) -> list[tuple[TrainBatch, torch.Tensor | None]]:
         """The micro-batches of `batch` with the rows each holds (None: a filler; see gearshift.micro_batch).
 
         Consecutive runs of `micro_batch_size` rows, or, with `max_tokens_per_micro_batch`, rows packed

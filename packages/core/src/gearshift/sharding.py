@@ -7,16 +7,16 @@ torch's AdamW with global-norm clipping. A backend subclasses it and overrides
 the methods its layout changes, each a public method of its own (torchtitan
 passes its parallelism in as data the same way):
 
-| method | says |
-| --- | --- |
-| `check(mesh)` | refuse a mesh it cannot run |
-| `parallelize(model, hf_model, device)` | wrap or shard the module; returns the module forward runs |
-| `trained_parameters(model)` | the parameters it trains, under Hugging Face names |
-| `placement(name, param, mesh)`, `local(tensor)`, `full_shape(name, param)` | each weight's placement, this rank's shard of it (or of its gradient or optimizer state), its whole shape |
-| `optimizer(params, lr, weight_decay, betas)`, `backward(loss)`, `clip_and_step(params, optimizer, max_grad_norm)` | the update |
-| `forward(model, batch, with_entropy, value_head)` | log-probabilities (a sequence-parallel forward differs) |
-| `materialized(params)` | gather weights that are not addressable shard by shard, around each bucket of an export |
-| `release(model)` | free weights gathered beyond the shards (after a forward with no backward, before offload) |
+- `check(mesh)`: refuse a mesh it cannot run;
+- `parallelize(model, hf_model, device)`: wrap or shard the module; returns the module forward runs;
+- `trained_parameters(model)`: the parameters it trains, under Hugging Face names;
+- `placement(name, param, mesh)`, `local(tensor)`, `full_shape(name, param)`: each weight's placement,
+  this rank's shard of it (or of its gradient or optimizer state), its whole shape;
+- `optimizer(params, lr, weight_decay, betas)`, `backward(loss)`,
+  `clip_and_step(params, optimizer, max_grad_norm)`: the update;
+- `forward(model, batch, with_entropy, value_head)`: log-probabilities (a sequence-parallel forward differs);
+- `materialized(params)`: gather weights not addressable shard by shard, around each bucket of an export;
+- `release(model)`: free weights gathered beyond the shards (after a forward with no backward, before offload);
 
 and two attributes: `compute_dtype` (None: the dtype the weights are loaded in)
 and `lends_weights` (False where the weights exist whole only while gathered).
