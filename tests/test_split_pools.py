@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from gearshift import registry
+from gearshift.reshard import export_weights
 from gearshift.rl.config import build_config
 from gearshift.rl.metrics import read_jsonl
 
@@ -48,7 +49,7 @@ def test_an_fsdp_pool_sends_each_rollout_replica_its_shards_and_nothing_is_gathe
         workers = ctl.workers()
 
         def exported(self):  # every train rank takes part in the export; each gets the whole weights
-            return {n: t.clone() for b in self.learner.policy.export_weights() for n, t in b.items()}
+            return {n: t.clone() for b in export_weights(self.learner.policy) for n, t in b.items()}
 
         def served(self):
             return {n: p.detach().clone() for n, p in self.engine.model.named_parameters()}

@@ -10,7 +10,7 @@ import torch
 
 from gearshift import HybridActor, registry
 from gearshift.models import resolve_model
-from gearshift.reshard import StreamingResharder
+from gearshift.reshard import StreamingResharder, export_weights
 
 #: sync / one batched copy of the same tensors: 3x measured on 2 cores (10-12x before the sync's per-tensor
 #: work was done once per plan); the margin is for busy machines
@@ -37,7 +37,7 @@ def test_a_syncs_host_work_per_tensor_is_a_small_multiple_of_one_batched_copy():
         sync = lambda: actor.resharder.sync(actor.plan, train, rollout)  # noqa: E731
         for _ in range(3):
             sync()
-        full = {k: v.detach().clone() for b in train.export_weights(actor.plan.dst) for k, v in b.items()}
+        full = {k: v.detach().clone() for b in export_weights(train, actor.plan.dst) for k, v in b.items()}
         src, dst = list(full.values()), [torch.empty_like(v) for v in full.values()]
         sync_s, copy_s = _median(sync), _median(lambda: torch._foreach_copy_(dst, src))
         print(f"sync {sync_s * 1e3:.2f} ms, one batched copy {copy_s * 1e3:.2f} ms: {sync_s / copy_s:.1f}x, "

@@ -5,14 +5,23 @@ import sys
 import pytest
 import torch
 from gearshift import registry
+from gearshift.conformance.util import private_overrides
+from gearshift.module_train import ModuleTrainEngine
+from gearshift.sharding import Sharding
 
 from gearshift_deepspeed.config import deepspeed_config, merge
 from gearshift_deepspeed.engine import DeepSpeedTrainEngine, compute_dtype
 from gearshift_deepspeed.runtime import import_deepspeed
+from gearshift_deepspeed.sharding import ZeroSharding
 
 
 def test_registered_as_train_backend_deepspeed():
     assert registry.load("train", "deepspeed") is DeepSpeedTrainEngine
+
+
+def test_built_on_the_core_through_public_names_only():
+    assert private_overrides(DeepSpeedTrainEngine, ModuleTrainEngine) == []
+    assert private_overrides(ZeroSharding, Sharding) == []
 
 
 def test_config_owns_accumulation_and_sets_clipping_explicitly():

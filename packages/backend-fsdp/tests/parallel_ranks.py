@@ -70,7 +70,7 @@ def check(model_path: str, mesh: MeshSpec, padded: bool = True) -> dict:
     slices_ok = all(torch.equal(local[n], saved[n]) for n in spec.names())
     dp_index = mesh.coords(gdist.rank())["dp"]
     metrics = engine.train_step(share(global_batch(padded), dp_index, mesh.dp), nll_loss)
-    grads = {n: full(p.grad).detach() for n, p in engine._params.items()}
+    grads = {n: full(p.grad).detach() for n, p in engine.trained.items()}
     shapes_ok = all(tuple(local[p.name].shape) == p.placement.local_shape(p.shape, gdist.rank()) for p in spec)
     sharded = sorted(p.name for p in spec if "tp" in str(p.placement))
     engine.close()

@@ -58,7 +58,7 @@ def test_micro_batches_accumulate_to_the_same_step(gearshift_model):
     for size in (None, 1):
         engine = build(gearshift_model, micro_batch_size=size)
         loss = engine.train_step(fixed_batch(), per_sequence_nll)["loss"]
-        results.append((loss, {n: p.grad.full_tensor() for n, p in engine._params.items()}))
+        results.append((loss, {n: p.grad.full_tensor() for n, p in engine.trained.items()}))
     assert results[1][0] == pytest.approx(results[0][0], rel=1e-6)  # the same sums, added in another order
     assert_same(results[1][1], results[0][1], exact=False)
 
@@ -74,7 +74,7 @@ def test_reshard_after_forward_to_a_smaller_group(gearshift_model, reference):
 def test_cpu_offload_keeps_the_state_in_host_memory(gearshift_model):
     engine = build(gearshift_model, cpu_offload=True)
     engine.train_step(fixed_batch(), nll)
-    assert all(t.device.type == "cpu" for tag in ("params", "grads", "optimizer") for t in engine._state_tensors(tag))
+    assert all(t.device.type == "cpu" for tag in ("params", "grads", "optimizer") for t in engine.state_tensors(tag))
     assert engine.offload() == 0 and engine.onload() == 0  # already in host memory: nothing to move
 
 
@@ -113,12 +113,12 @@ def test_bfloat16_compute_keeps_float32_master_weights(gearshift_model):
     assert float((got - exact)[mask].abs().max()) > 1e-4  # ... which is not fp32
     assert {p.dtype for p in engine.weight_spec()} == {torch.float32}
     assert losses[-1] < losses[0] and all(w.dtype == torch.float32 for w in weights.values())
-    assert all(t.dtype == torch.float32 for t in engine._state_tensors("grads"))  # reduced in fp32
+    assert all(t.dtype == torch.float32 for t in engine.state_tensors("grads"))  # reduced in fp32
 
 
 def grad_norm(engine) -> float:
     """The global gradient norm, computed from the gathered gradients."""
-    grads = [p.grad.full_tensor() for p in engine._params.values() if p.grad is not None]
+    grads = [p.grad.full_tensor() for p in engine.trained.values() if p.grad is not None]
     return float(torch.linalg.vector_norm(torch.cat([g.flatten() for g in grads]).double()))  # float64: exact enough
 
 

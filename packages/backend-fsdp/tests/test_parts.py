@@ -3,15 +3,24 @@
 import pytest
 import torch
 from gearshift import registry
+from gearshift.conformance.util import private_overrides
 from gearshift.mesh import MeshError, MeshSpec
+from gearshift.module_train import ModuleTrainEngine
+from gearshift.sharding import Sharding
 
 from gearshift_fsdp.engine import FSDPTrainEngine
 from gearshift_fsdp.parallelize import decoder_layers
 from gearshift_fsdp.placement import HybridShard
+from gearshift_fsdp.sharding import FSDPSharding
 
 
 def test_registered_as_train_backend_fsdp():
     assert registry.load("train", "fsdp") is FSDPTrainEngine
+
+
+def test_built_on_the_core_through_public_names_only():
+    assert private_overrides(FSDPTrainEngine, ModuleTrainEngine) == []
+    assert private_overrides(FSDPSharding, Sharding) == []
 
 
 def test_hybrid_shard_slices_are_chunks_within_each_group():

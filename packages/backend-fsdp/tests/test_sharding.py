@@ -17,7 +17,7 @@ from gearshift.backends.hf_rollout import HFRolloutEngine
 from gearshift.conformance.train import fixed_batch, nll
 from gearshift.conformance.util import reference_weights
 from gearshift.mesh import box_slices
-from gearshift.reshard import StreamingResharder, plan_reshard
+from gearshift.reshard import StreamingResharder, export_weights, plan_reshard
 from torch.profiler import ProfilerActivity, profile
 
 from gearshift_fsdp.engine import FSDPTrainEngine
@@ -86,7 +86,7 @@ def test_plan_to_hf_rollout_sends_point_to_point(engine, gearshift_model):
     rank, world = gdist.rank(), gdist.world_size()
     print(f"rank {rank}: {plan.describe(rank)}")
     engine.train_step(fixed_batch(), nll)
-    full = {k: v.clone() for b in engine.export_weights() for k, v in b.items()}
+    full = {k: v.clone() for b in export_weights(engine) for k, v in b.items()}
     t0 = time.perf_counter()
     StreamingResharder().sync(plan, engine, rollout)
     seconds = time.perf_counter() - t0
@@ -114,13 +114,13 @@ def test_export_peak_memory_is_one_bucket(engine):
 
     def export_dropping_each_bucket():
         sizes.clear()
-        stream = engine.export_weights(bucket_bytes=bucket_bytes)
+        stream = export_weights(engine, bucket_bytes=bucket_bytes)
         while (bucket := next(stream, None)) is not None:
             sizes.append(bucket.nbytes)
             del bucket  # a loader done with a bucket lets it go before asking for the next
 
     def export_in_a_for_loop():
-        for bucket in engine.export_weights(bucket_bytes=bucket_bytes):
+        for bucket in export_weights(engine, bucket_bytes=bucket_bytes):
             pass  # `bucket` holds the previous bucket while the next one is built
 
     t0 = time.perf_counter()

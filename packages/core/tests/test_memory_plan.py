@@ -202,7 +202,7 @@ def test_the_default_micro_batches_fit_free_memory_or_say_what_to_change(monkeyp
     monkeypatch.setattr(memory, "release_cached", lambda d: 0)
     monkeypatch.setattr(memory, "device_free", lambda d, cached=True: margin + 100 * per_token)
     assert engine.token_budget(batch) == 100  # the step's own gradients are on this CPU's host here: 0 bytes
-    assert [len(rows) for _, rows in engine._micro_batches(batch)] == [2, 2, 2, 2]  # 2 rows of 40 a micro-batch
+    assert [len(rows) for _, rows in engine.micro_batches(batch)] == [2, 2, 2, 2]  # 2 rows of 40 a micro-batch
     monkeypatch.setattr(memory, "device_free", lambda d, cached=True: margin + 30 * per_token)
     with pytest.raises(MemoryPlanError, match="rows of 40 tokens need.*gradient_checkpointing=true"):
         engine.token_budget(batch)

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from gearshift.backends.torch_train import TorchTrainEngine
+from gearshift.micro_batch import even_out, micro_batch_rows, select_micro_batches
 from gearshift.rl.algos import TOKENS_PER_SEQ, make_policy_loss_fn, make_value_loss_fn, tokens_per_seq
 from gearshift.train import TrainBatch
 
@@ -33,6 +34,26 @@ def test_rows_are_packed_longest_first_within_the_budget():
     assert packed.width == 3 and packed.loss_mask.shape == (3, 3)  # the batch is 7 wide; these rows, 3
     with pytest.raises(ValueError, match="max_tokens=0 must be >= 1"):
         batch.packed_rows(0)
+
+
+def test_micro_batching_is_pure_rows_then_count_then_cut():
+    batch = batch_of_lengths([2, 1, 3, 1, 2, 3], [3, 1, 4, 2, 1, 3])  # lengths 5, 2, 7, 3, 3, 6; width 7
+    assert [g.tolist() for g in micro_batch_rows(batch)] == [[0, 1, 2, 3, 4, 5]]
+    assert [g.tolist() for g in micro_batch_rows(batch, max_rows=4)] == [[0, 1, 2, 3], [4, 5]]
+    assert [g.tolist() for g in micro_batch_rows(batch, max_tokens=12)] == [[2], [5, 0], [3, 4, 1]]
+    # another rank runs 5: the largest group splits while one has two rows, first the earliest
+    groups = even_out(micro_batch_rows(batch, max_rows=4), 5)
+    assert [g.tolist() for g in groups] == [[0], [1], [2], [3], [4, 5]]
+    # 7: every row alone, then a filler
+    groups = even_out(micro_batch_rows(batch, max_rows=4), 7)
+    assert [None if g is None else g.tolist() for g in groups] == [[0], [1], [2], [3], [4], [5], None]
+    cut = select_micro_batches(batch, groups)
+    assert [mb.size for mb, _ in cut] == [1] * 7 and all(mb.width == 7 for mb, _ in cut)
+    assert cut[-1][1] is None and torch.equal(cut[-1][0].input_ids, batch.input_ids[:1])  # a filler: row 0
+    assert [mb.size for mb, _ in select_micro_batches(batch, micro_batch_rows(batch, max_rows=4))] == [4, 2]
+    packed = select_micro_batches(batch, micro_batch_rows(batch, max_tokens=12), trim=True)
+    assert [mb.width for mb, _ in packed] == [7, 6, 3]  # each as wide as its longest row
+    assert torch.equal(packed[1][0].input_ids, batch.input_ids[[5, 0], :6])
 
 
 def rl_batch(seed=0) -> TrainBatch:

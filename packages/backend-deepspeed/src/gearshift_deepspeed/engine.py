@@ -1,6 +1,6 @@
 """Train backend `deepspeed`: DeepSpeed ZeRO stage 1, 2 or 3 over the dp ranks, any `AutoModelForCausalLM`.
 
-It is the core's `ModuleTrainEngine` with DeepSpeed in the sharding hooks:
+It is the core's `ModuleTrainEngine` given a `ZeroSharding` (sharding.py):
 `deepspeed.initialize` wraps the model and a torch AdamW, DeepSpeed's engine
 runs backward (accumulating micro-batches the base weighs), clipping, the
 global gradient norm and the step. At stage 1 and 2 every rank holds every
@@ -8,27 +8,26 @@ weight whole, so the weight spec says so and an export is a view of them. At
 stage 3 the weights live as flat partitions with no per-dimension layout: the
 spec again says each weight is whole on every rank, and an export gathers them
 bucket by bucket (`materialized`: `GatheredParameters` on one bucket's
-parameters), so it never holds more than one bucket of gathered weights.
+parameters), so it never holds more than one bucket of gathered weights. The
+engine adds DeepSpeed's own offload (`offload_states`) and checkpoints.
 """
 
 from __future__ import annotations
 
-from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Sequence
 
 import torch
 from gearshift import dist as gdist
-from gearshift.mesh import Placement
 from gearshift.module_train import ModuleTrainEngine
 from gearshift.options import option, parse_dtype
 from gearshift.tags import TRAIN_TAGS, check_tags
 from gearshift.train import TrainArgs
 
 from .checkpoint import load_checkpoint, save_checkpoint
-from .config import deepspeed_config
 from .offload import ZeroOffloader
-from .runtime import import_deepspeed, initialize, release
+from .runtime import import_deepspeed, release
+from .sharding import ZeroSharding
 
 
 class DeepSpeedTrainEngine(ModuleTrainEngine):
@@ -62,63 +61,15 @@ class DeepSpeedTrainEngine(ModuleTrainEngine):
         options = options or self.Options()
         gdist.ensure_process_group(options.device)
         device = torch.device(options.device) if options.device else gdist.default_device()
-        self.zero_stage = int(options.zero_stage)
-        self.compute_dtype = compute_dtype(options.param_dtype, args.torch_dtype, device)
-        # ZeRO-3's weights exist whole only while gathered: a rollout engine cannot serve from them
-        self.can_lend_weights = self.zero_stage < 3
-        super().__init__(args, options)
-        self._offloader = ZeroOffloader(self.ds, frozen=self._frozen)
-
-    # --- sharding hooks -------------------------------------------------------------------
-    def _check_mesh(self) -> None:
-        if self.mesh.dp != self.mesh.world_size:
-            raise ValueError(f"the deepspeed backend partitions over dp ranks only, but mesh {self.mesh} has "
-                             f"tp/pp/sp > 1: use mesh dp={self.mesh.world_size}")
-
-    def _parallelize(self, model: torch.nn.Module) -> torch.nn.Module:
-        opts = self.options
-        trainable = [p for p in model.parameters() if p.requires_grad]
-        adamw = dict(lr=self.args.lr, weight_decay=self.args.weight_decay, betas=tuple(opts.betas))
-        config = deepspeed_config(
-            zero_stage=self.zero_stage, max_grad_norm=self.args.max_grad_norm, compute_dtype=self.compute_dtype,
-            offload_params=opts.offload_params, offload_optimizer=opts.offload_optimizer,
-            pin_memory=self.device.type == "cuda", fused_optimizer=adamw if opts.fused_optimizer else None,
-            overrides=opts.config,
-        )
-        optimizer = None if opts.fused_optimizer else torch.optim.AdamW(trainable, **adamw)
-        self.ds = initialize(model, optimizer, config)
-        return self.ds
-
-    def _build_optimizer(self) -> torch.optim.Optimizer:
-        return self.ds.optimizer  # DeepSpeed's ZeRO optimizer around the AdamW given to it
-
-    def _named_parameters(self):
-        return ((n, p) for n, p in self.ds.module.named_parameters() if p.requires_grad)
-
-    def _placement(self, name: str, param: torch.Tensor) -> Placement:
-        return Placement.replicated(self.mesh)  # whole on every rank (at stage 3: while its bucket is gathered)
-
-    def _full_shape(self, name: str, param: torch.Tensor) -> tuple[int, ...]:
-        return tuple(getattr(param, "ds_shape", param.shape))  # stage 3 keeps an empty tensor beside it
-
-    def _backward(self, loss: torch.Tensor) -> None:
-        self.ds.backward(loss, scale_wrt_gas=False)  # the base has weighed each micro-batch's loss already
-
-    def _clip_and_step(self) -> float:
-        """DeepSpeed reduces, clips to `max_grad_norm` and steps; the norm is before clipping, over all ranks."""
-        self.ds.step()
-        return float(self.ds.get_global_grad_norm())
-
-    def materialized(self, names: list[str]) -> AbstractContextManager:
-        """At stage 3, the parameters an export of `names` reads (with LoRA: bases and adapters) gathered
-        whole on every rank until the context closes; those a surrounding gather holds already are left be."""
-        if self.zero_stage < 3:
-            return super().materialized(names)
-        self._need_onloaded(["params"], "export weights")
-        deepspeed = import_deepspeed()
-        unavailable = deepspeed.runtime.zero.partition_parameters.ZeroParamStatus.NOT_AVAILABLE
-        return deepspeed.zero.GatheredParameters([p for p in self._export_parameters(names)
-                                                  if p.ds_status == unavailable])
+        sharding = ZeroSharding(
+            zero_stage=options.zero_stage, compute_dtype=compute_dtype(options.param_dtype, args.torch_dtype, device),
+            lr=args.lr, weight_decay=args.weight_decay, betas=options.betas, max_grad_norm=args.max_grad_norm,
+            offload_params=options.offload_params, offload_optimizer=options.offload_optimizer,
+            fused_optimizer=options.fused_optimizer, overrides=options.config)
+        self.zero_stage = sharding.zero_stage
+        super().__init__(args, options, sharding)
+        self.ds = sharding.engine
+        self._offloader = ZeroOffloader(self.ds, frozen=self.frozen)
 
     def save_hf(self, path: str) -> None:
         """As the base writes it; at stage 3 with LoRA, the adapters (small) gathered for the adapter folder."""
@@ -138,12 +89,12 @@ class DeepSpeedTrainEngine(ModuleTrainEngine):
 
     def save(self, path: str) -> None:
         """DeepSpeed's own checkpoint: every rank writes its partitions; loads at any dp size (see `load`)."""
-        self._need_onloaded(TRAIN_TAGS, "save a checkpoint")
+        self.need_onloaded(TRAIN_TAGS, "save a checkpoint")
         save_checkpoint(self.ds, path, trainable_only=self.lora is not None)
 
     def load(self, path: str) -> None:
         """Restore a `save` folder; one written at another dp size goes through a universal checkpoint."""
-        self._need_onloaded(TRAIN_TAGS, "load a checkpoint")
+        self.need_onloaded(TRAIN_TAGS, "load a checkpoint")
         load_checkpoint(self.ds, path)
 
     def close(self) -> None:
@@ -152,10 +103,9 @@ class DeepSpeedTrainEngine(ModuleTrainEngine):
         self.ds = None
         super().close()
 
-    def _need_onloaded(self, tags: Sequence[str], action: str) -> None:
-        away = [t for t in tags if t in self._offloader.away] if hasattr(self, "_offloader") else []
-        if away:
-            raise RuntimeError(f"cannot {action}: {away} are offloaded to host memory; call onload({away}) first")
+    def offloaded(self) -> list[str]:
+        """The tags DeepSpeed's `offload_states` holds in host memory now."""
+        return list(self._offloader.away)
 
 
 def compute_dtype(param_dtype: str | None, dtype: torch.dtype, device: torch.device) -> torch.dtype:

@@ -14,6 +14,9 @@ tied weights named once.
 
 from __future__ import annotations
 
+import os
+import warnings
+
 import torch
 from torch import nn
 
@@ -79,3 +82,23 @@ def weight_spec_of(model_path: str, mesh: MeshSpec, dtype: torch.dtype) -> Weigh
     placement = Placement.replicated(mesh)
     params = tuple(ParamSpec(name, tuple(p.shape), dtype, placement) for name, p in model.named_parameters())
     return WeightSpec(mesh, params, tied_aliases(model))
+
+
+def write_hf_folder(path: str, hf_model: nn.Module, state: dict[str, torch.Tensor], source: str,
+                    value_head: bool = False) -> None:
+    """Write `state` as a Hugging Face folder of `hf_model`'s class and config, with `source`'s tokenizer;
+    a critic's value head goes beside it in value_head.safetensors."""
+    from safetensors.torch import save_file
+    from transformers import AutoTokenizer
+
+    if value_head:
+        lm = {k[len("lm."):]: v.contiguous() for k, v in state.items() if k.startswith("lm.")}
+        head = {k[len("value_head."):]: v.contiguous() for k, v in state.items() if k.startswith("value_head.")}
+        hf_model.save_pretrained(path, state_dict=lm)
+        save_file(head, os.path.join(path, "value_head.safetensors"))
+    else:
+        hf_model.save_pretrained(path, state_dict=state)
+    try:
+        AutoTokenizer.from_pretrained(source).save_pretrained(path)
+    except (OSError, ValueError) as err:
+        warnings.warn(f"save_hf: no tokenizer copied from {source}: {err}", stacklevel=2)

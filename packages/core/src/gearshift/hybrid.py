@@ -64,7 +64,7 @@ class HybridActor:
         self.plan = self.resharder.plan(train, rollout)  # once: a switch does no discovery work
         if self.plan.share and offload_params:
             # the rollout engine would keep the offloaded params alive where they were
-            if getattr(self.resharder, "share", None):
+            if self.resharder.share:
                 raise ValueError("offload_params=True cannot be combined with a resharder that shares weights "
                                  "(the rollout engine reads the very tensors that would be offloaded)")
             self.plan.share = False
@@ -76,6 +76,7 @@ class HybridActor:
                              if awake else None)
         self.rollout.sleep(["kv_cache", "weights"])
         self.rollout_awake = False
+        self._offloaded: tuple[str, ...] = ()  # the tags the last switch to rollout moved to host memory
         self._train_peak: int | None = None  # device bytes the last training phase took beyond its state
         #: host bytes allocated at start for what the switches will move (0: nothing will move, or unknown)
         self.host_reserved = self._reserve_host() if self.on_gpu else 0
@@ -183,7 +184,7 @@ class HybridActor:
             raise ModeError("the actor is already in train mode")
         gdist.heartbeat()
         timer = PhaseTimer(self.train.device, "to_train")
-        tags = tuple(getattr(self, "_offloaded", ()))
+        tags = tuple(self._offloaded)
         self.rollout_awake = self._keep_rollout_awake(timer.report)
         if not self.rollout_awake:
             with timer.phase("sleep"):

@@ -23,9 +23,8 @@ import torch
 
 from .mesh import MeshSpec
 from .options import Buildable, EngineArgs, option
-from .reshard import DEFAULT_BUCKET_BYTES, plan_reshard, stream_plan
 from .tags import TRAIN_TAGS, check_tags
-from .weights import Adapter, WeightBucket, WeightSpec
+from .weights import Adapter, WeightSpec
 
 
 @dataclass(frozen=True)
@@ -177,7 +176,8 @@ class TrainEngine(Buildable, ABC):
     """A trainer of one causal LM over a mesh of ranks; names of weights are Hugging Face names.
 
     Subclass it (or `gearshift.module_train.ModuleTrainEngine`, which does most of the work
-    for a trainer built on a torch module), declare `Options`, implement
+    for a trainer built on a torch module and takes its layout as a `gearshift.sharding.Sharding`),
+    declare `Options`, implement
     `__init__(self, args, options)` (call `super().__init__(args, options)`, set `device`) and
     the abstract methods below.
     """
@@ -192,6 +192,8 @@ class TrainEngine(Buildable, ABC):
     args: TrainArgs
     device: torch.device
     mesh: MeshSpec
+    #: the dtype forward and backward compute in, when below the weights' (None: `args.dtype`'s)
+    compute_dtype: torch.dtype | None = None
 
     @abstractmethod
     def weight_spec(self) -> WeightSpec:
@@ -211,19 +213,11 @@ class TrainEngine(Buildable, ABC):
         """
         return nullcontext()
 
-    def export_weights(self, spec: WeightSpec | None = None,
-                       bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> Iterator[WeightBucket]:
-        """The weights in the layout `spec` asks for (default: whole on every rank), bucket by bucket."""
-        mine = self.weight_spec()
-        target = spec if spec is not None else mine.replicated()
-        yield from stream_plan(plan_reshard(mine, target, bucket_bytes), self.local_weights,
-                               materialized=self.materialized)
-
     def export_adapter(self) -> Adapter | None:
         """The LoRA adapter this engine trains, whole on every rank (None: it trains no adapter).
 
         Every rank calls it (it may gather). The adapter sync (`AdapterResharder`) hands it to a
-        rollout engine that serves adapters, instead of the merged weights `export_weights` gives.
+        rollout engine that serves adapters, instead of the merged weights `gearshift.reshard.export_weights` gives.
         """
         return None
 

@@ -20,7 +20,7 @@ import torch
 from .. import dist as gdist, registry
 from ..hybrid import HybridActor
 from ..profiler import SwitchReport, median_report
-from ..reshard import AdapterResharder, NaiveResharder, StreamingResharder
+from ..reshard import AdapterResharder, NaiveResharder, StreamingResharder, export_weights
 from ..weights import WeightBucket
 from .report import SwitchBench
 from .timing import median_seconds, resolve_once
@@ -126,7 +126,7 @@ def _baselines(train, rollout, plan, switches: int) -> dict[str, Any]:
     """The baselines of a sync of `plan`, on the same engines and bytes: the rollout engine's own load,
     the copy limit, one batched copy and (on a GPU) the copy from pinned host memory."""
     # The rollout engine's own fastest load: the same weights, already whole in memory, in one call.
-    full = {n: t.detach().clone() for b in train.export_weights(plan.dst) for n, t in b.items()}
+    full = {n: t.detach().clone() for b in export_weights(train, plan.dst) for n, t in b.items()}
     rollout.wake(["weights"])
     load = rollout.own_load if isinstance(rollout, OwnLoad) else rollout.update_weights
     engine_load_s = median_seconds(lambda: load([WeightBucket(full)]), max(switches, 1))

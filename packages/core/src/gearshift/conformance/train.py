@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from .. import dist as gdist
+from ..reshard import export_weights
 from ..train import TrainBatch, nll_loss
 from .util import PROMPTS, reference_weights, tolerances
 
@@ -28,7 +29,7 @@ nll = nll_loss  # the loss the suite trains with
 
 def full_weights(engine) -> dict[str, torch.Tensor]:
     out = {}
-    for bucket in engine.export_weights():
+    for bucket in export_weights(engine):
         out.update((k, v.detach().cpu().clone()) for k, v in bucket.items())
     return out
 
@@ -107,7 +108,7 @@ class TrainEngineSuite:
         engine.train_step(fixed_batch(), nll)
         after = full_weights(engine)
         assert any(not torch.equal(start[k], after[k]) for k in start), "a train step changed no weight"
-        small = list(engine.export_weights(bucket_bytes=max(p.nbytes for p in spec)))
+        small = list(export_weights(engine, bucket_bytes=max(p.nbytes for p in spec)))
         assert len(small) > 1, "a small bucket size must split the export into several buckets"
         streamed = {k: v.cpu() for b in small for k, v in b.items()}
         assert_same(streamed, after)

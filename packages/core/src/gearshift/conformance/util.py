@@ -27,7 +27,7 @@ def compute_dtype(engine) -> torch.dtype:
     if isinstance(engine, RolloutEngine):
         dtypes = {p.dtype for p in engine.weight_spec()}
     else:
-        dtypes = {getattr(engine, "compute_dtype", None) or engine.args.torch_dtype}
+        dtypes = {engine.compute_dtype or engine.args.torch_dtype}
     return max(dtypes, key=lambda d: torch.finfo(d).eps)
 
 
@@ -153,3 +153,13 @@ def same_outputs(a, b) -> bool:
 def max_logprob_diff(a, b) -> float:
     diffs = [abs(x - y) for ra, rb in zip(a, b) for x, y in zip(ra.logprobs, rb.logprobs)]
     return max(diffs, default=0.0)
+
+
+def private_overrides(cls: type, base: type) -> list[str]:
+    """Methods and properties named with one underscore that `cls` (or a class between it and `base`) defines
+    over `base`'s: a backend built on the core's classes extends them through public names only (the ABC
+    machinery's own `_abc_impl` is no hook)."""
+    between = cls.__mro__[:cls.__mro__.index(base)]
+    return sorted({n for klass in between for n, v in vars(klass).items()
+                   if n.startswith("_") and not n.startswith("__") and hasattr(base, n)
+                   and (callable(v) or isinstance(v, (property, staticmethod, classmethod)))})

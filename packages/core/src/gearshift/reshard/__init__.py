@@ -5,7 +5,8 @@ which slice of which weight each rank sends to which rank and where the bucket
 boundaries fall: a `ReshardPlan` (plan.py, plain data). `stream_plan`
 (stream.py) then walks that list on every switch: local pieces are views or
 copies, remote ones point-to-point messages, one bucket at a time, so the extra
-memory is one bucket.
+memory is one bucket. `export_weights` (export.py) plans and streams a train
+engine's weights into any layout, whole on every rank by default.
 
 When every rank already holds each weight whole, in the dtype and on the
 device the rollout engine wants (one process, or data parallel on both sides,
@@ -26,6 +27,7 @@ benchmarks compare against it) and `adapter` (a LoRA trainer's adapter alone,
 to a rollout engine that serves adapters on its base weights).
 """
 
+from .export import export_weights
 from .link import Link, open_store
 from .plan import BucketPlan, RankPiece, RankView, ReshardPlan, Transfer
 from .planner import DEFAULT_BUCKET_BYTES, plan_reshard, share_refusal
@@ -35,6 +37,6 @@ from .stream import stream_plan
 
 __all__ = [
     "AdapterResharder", "DEFAULT_BUCKET_BYTES", "BucketPlan", "Link", "NaiveResharder", "RankPiece", "RankView", "ReshardPlan",
-    "Resharder", "StreamingResharder", "Transfer", "open_store", "plan_between_pools", "plan_reshard",
+    "Resharder", "StreamingResharder", "Transfer", "export_weights", "open_store", "plan_between_pools", "plan_reshard",
     "receive_weights", "send_weights", "share_refusal", "stream_plan",
 ]

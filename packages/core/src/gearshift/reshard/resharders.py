@@ -23,6 +23,7 @@ from .. import dist as gdist
 from ..mesh import box_slices
 from ..profiler import PhaseTimer, SwitchReport
 from ..weights import WeightBucket, WeightError
+from .export import export_weights
 from .plan import ReshardPlan
 from .planner import DEFAULT_BUCKET_BYTES, plan_reshard, share_refusal
 from .stream import stream_plan
@@ -34,6 +35,10 @@ if TYPE_CHECKING:
 
 class Resharder(ABC):
     """Moves weights from a train engine into a rollout engine on every switch."""
+
+    #: True: every sync hands the rollout engine the trainer's own tensors (or refuses); None: when it can;
+    #: False: never. A resharder that always copies leaves it None: its plans never share.
+    share: bool | None = None
 
     def __init__(self, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> None:
         if int(bucket_bytes) < 1:
@@ -140,7 +145,7 @@ class NaiveResharder(Resharder):
         path = root / "gearshift-naive-sync" / "model.safetensors"
         with timer.phase("save") as ph:
             state: dict[str, torch.Tensor] = {}
-            for bucket in train.export_weights(plan.dst.replicated(), self.bucket_bytes):
+            for bucket in export_weights(train, plan.dst.replicated(), self.bucket_bytes):
                 if rank == 0:
                     state.update((k, v.detach().to("cpu", copy=True).contiguous()) for k, v in bucket.items())
             if rank == 0:
