@@ -111,7 +111,8 @@ def test_a_choice_key_takes_only_its_values_from_a_file_an_override_or_python(ke
         load_config(None, [f"{key}={value}"])
     *sections, name = key.split(".")
     f = tmp_path / "c.yaml"
-    f.write_text("".join(f"{'  ' * i}{s}:\n" for i, s in enumerate(sections)) + f"{'  ' * len(sections)}{name}: {value}\n")
+    lines = [f"{'  ' * i}{section}:" for i, section in enumerate(sections)]
+    f.write_text("\n".join([*lines, f"{'  ' * len(sections)}{name}: {value}", ""]))
     with pytest.raises(ConfigError, match=rf"^{f}: {key}='{value}': {allowed}$"):
         load_config(f)
     nested = value
