@@ -33,7 +33,7 @@ HOW: dict[str, tuple[str, str]] = {
     "tools/install_sglang.sh": ("ci", "tools/install.sh runs it"),
     "gearshift train": ("ci", ".ci/run"),
     "gearshift train my.yaml algorithm.name=ppo rollout.backend=vllm train.backend=fsdp run.steps=200": ("check", ""),
-    "gearshift train --print-config": ("run", "model:"),
+    "gearshift train --print-config": ("run", "# The policy's learning rate; null: the algorithm's own"),
     "gearshift train --check": ("run", "the configuration can run"),
     "gearshift backends vllm": ("run", "rollout backend 'vllm'"),
     "gearshift backends": ("run", "reshard"),

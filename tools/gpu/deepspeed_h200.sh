@@ -23,8 +23,8 @@ if [ "$what" = wheels ]; then
   rm -rf .whl-deepspeed && mkdir -p .whl-deepspeed
   "${PYTHON:-python3}" -m pip wheel -q --no-deps packages/core packages/backend-deepspeed -w .whl-deepspeed
   DS_BUILD_OPS=0 "${PYTHON:-python3}" -m pip wheel -q --no-deps --no-build-isolation deepspeed==0.19.8 -w .whl-deepspeed
-  # the core's config (gearshift train) reads OmegaConf; its parser runtime has no wheel on PyPI
-  "${PYTHON:-python3}" -m pip wheel -q --no-deps omegaconf==2.3.0 antlr4-python3-runtime==4.9.3 -w .whl-deepspeed
+  # the core's config (gearshift train) reads OmegaConf
+  "${PYTHON:-python3}" -m pip wheel -q --no-deps omegaconf==2.4.0 -w .whl-deepspeed
   "${PYTHON:-python3}" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
     --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 -d .whl-deepspeed \
     stevedore==5.10.0 hjson msgpack pydantic pydantic-core annotated-types typing-inspection py-cpuinfo einops

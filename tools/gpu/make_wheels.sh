@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Builds the wheels the GPU scripts install on a machine with no network, into .whl/: gearshift and its
 # in-tree backends (pure Python), DeepSpeed 0.19.8 without ops, and what they import that the H200 image
-# lacks (stevedore, omegaconf and its parser runtime, DeepSpeed's small dependencies; pydantic comes with the
+# lacks (stevedore, omegaconf, DeepSpeed's small dependencies; pydantic comes with the
 # vLLM carry of ../shared/tools/vllm-on-h200).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
@@ -17,6 +17,5 @@ git rev-parse HEAD > .whl/COMMIT
 DS_BUILD_OPS=0 "$py" -m pip wheel -q --no-deps --no-build-isolation deepspeed==0.19.8 -w .whl
 "$py" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
   --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 -d .whl \
-  stevedore==5.10.0 omegaconf==2.3.0 hjson py-cpuinfo
-"$py" -m pip wheel -q --no-deps -w .whl antlr4-python3-runtime==4.9.3  # an sdist only: built here
+  stevedore==5.10.0 omegaconf==2.4.0 hjson py-cpuinfo
 ls -la .whl

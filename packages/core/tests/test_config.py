@@ -71,23 +71,136 @@ def test_validation_lists_what_to_change():
 
 
 def test_rl_feature_keys_are_checked():
-    cfg = load_config(None, ["algorithm.rollout_correction=is", "algorithm.rollout_correction_level=seq",
-                             "algorithm.rollout_correction_cap=0.5", "rollout.dtype=bf16",
-                             "train.max_tokens_per_micro_batch=-1", "algorithm.critic_warmup=-2",
-                             "algorithm.gae_norm=whiten"])
+    cfg = load_config(None, ["algorithm.rollout_correction_cap=0.5", "train.max_tokens_per_micro_batch=-1",
+                             "algorithm.critic_warmup=-2", "algorithm.critic_epochs=-1"])
     with pytest.raises(ConfigError) as err:
         cfg.validate()
     text = str(err.value)
-    assert "algorithm.rollout_correction='is': use one of none, tis, mis" in text
-    assert "algorithm.rollout_correction_level='seq': use one of token, sequence, geometric" in text
     assert "algorithm.rollout_correction_cap=0.5 must be >= 1" in text
-    assert "rollout.dtype='bf16': use one of bfloat16, float16, float32" in text
-    assert "train.max_tokens_per_micro_batch=-1 must be >= 0" in text
+    assert "train.max_tokens_per_micro_batch=-1 must be >= 1 (or null: off)" in text
     assert "algorithm.critic_warmup=-2 must be >= 0" in text
-    assert "algorithm.gae_norm='whiten': use one of center_scale, scale, none" in text
+    assert "algorithm.critic_epochs=-1 must be >= 1" in text
     ok = load_config(None, ["algorithm.rollout_correction=mis", "algorithm.rollout_correction_level=geometric",
                             "rollout.dtype=bfloat16", "train.max_tokens_per_micro_batch=4096"]).validate()
     assert ok.algorithm.rollout_correction_cap == 2.0
+
+
+#: a choice key, a value it does not take, and the message that says which it takes
+BAD_CHOICES = [
+    ("algorithm.name", "dpo", "use grpo or ppo"),
+    ("algorithm.kl_in", "both", "use loss or reward"),
+    ("algorithm.loss_agg", "sum", "use one of token_mean, seq_mean_token_sum, seq_mean_token_mean"),
+    ("algorithm.gae_norm", "whiten", "use one of center_scale, scale, none"),
+    ("algorithm.rollout_correction", "is", "use one of none, tis, mis"),
+    ("algorithm.rollout_correction_level", "seq", "use one of token, sequence, geometric"),
+    ("algorithm.old_logprobs", "never", "use auto or recompute"),
+    ("model.dtype", "bf16", "use one of bfloat16, float16, float32"),
+    ("model.lora.sync", "both", "use merged or adapter"),
+    ("rollout.dtype", "bf16", "use one of bfloat16, float16, float32"),
+    ("switch.share", "maybe", "use one of auto, on, off"),
+    ("run.placement", "ray", "use colocated or split"),
+    ("run.pools.reference", "driver", "use train or rollout"),
+    ("run.pools.reward_model", "driver", "use rollout or train"),
+    ("run.pools.device", "tpu", "use one of auto, cpu, gpu"),
+]
+
+
+@pytest.mark.parametrize("key,value,allowed", BAD_CHOICES, ids=[c[0] for c in BAD_CHOICES])
+def test_a_choice_key_takes_only_its_values_from_a_file_an_override_or_python(key, value, allowed, tmp_path):
+    with pytest.raises(ConfigError, match=rf"^override '{key}={value}': {key}='{value}': {allowed}$"):
+        load_config(None, [f"{key}={value}"])
+    *sections, name = key.split(".")
+    f = tmp_path / "c.yaml"
+    lines = [f"{'  ' * i}{section}:" for i, section in enumerate(sections)]
+    f.write_text("\n".join([*lines, f"{'  ' * len(sections)}{name}: {value}", ""]))
+    with pytest.raises(ConfigError, match=rf"^{f}: {key}='{value}': {allowed}$"):
+        load_config(f)
+    nested = value
+    for part in reversed(key.split(".")[1:]):
+        nested = {part: nested}
+    with pytest.raises(ConfigError, match=rf"^the sections given: {key}='{value}': {allowed}$"):
+        build_config(None, {sections[0]: nested})
+
+
+def test_choice_keys_are_plain_strings_and_agree_with_what_reads_them():
+    import typing
+
+    from gearshift.options import DTYPES
+    from gearshift.rl.algos import AGGREGATIONS, CORRECTION_LEVELS, CORRECTIONS
+    from gearshift.rl.config import GAE_NORMS, AlgorithmConfig, RolloutConfig
+
+    cfg = load_config(None, ["algorithm.name=ppo", "switch.share=off"])
+    assert cfg.algorithm.name == "ppo" and type(cfg.algorithm.name) is str and cfg.switch.share == "off"
+    hints = typing.get_type_hints(AlgorithmConfig)
+    assert typing.get_args(hints["rollout_correction"]) == CORRECTIONS
+    assert typing.get_args(hints["rollout_correction_level"]) == CORRECTION_LEVELS
+    assert typing.get_args(hints["loss_agg"]) == AGGREGATIONS
+    assert typing.get_args(hints["gae_norm"]) == tuple(GAE_NORMS)
+    dtype = typing.get_args(typing.get_type_hints(RolloutConfig)["dtype"])[0]
+    assert set(typing.get_args(dtype)) == set(DTYPES)
+
+
+def test_older_spellings_of_unset_read_as_null(tmp_path):
+    from gearshift.rl.engines import train_options
+
+    f = tmp_path / "old.yaml"
+    f.write_text("train:\n  lr: 0\n  mini_batch_size: 0\n  micro_batch_size: 0\n  max_tokens_per_micro_batch: 0\n"
+                 "  mesh: ''\nrollout:\n  dtype: ''\n  mesh: ''\nalgorithm:\n  advantage: ''\n"
+                 "  critic_epochs: 0\nrun:\n  ray_address: ''\ndata:\n  path: ''\n")
+    cfg = load_config(f).validate()
+    t, r = cfg.train, cfg.rollout
+    assert (t.lr, t.mini_batch_size, t.micro_batch_size, t.max_tokens_per_micro_batch, t.mesh) == (None,) * 5
+    assert (r.dtype, r.mesh, cfg.algorithm.advantage, cfg.algorithm.critic_epochs, cfg.run.ray_address,
+            cfg.data.path) == (None,) * 6
+    assert cfg == Config() and load_config(None, ["train.lr=0", "rollout.dtype="]) == Config()
+    assert build_config(None, {"train": {"micro_batch_size": 0}}).train.micro_batch_size is None
+    options = train_options(cfg, "model")  # passed straight through: None is what every engine takes as unset
+    assert options["mesh"] is None and options["micro_batch_size"] is None and options["lr"] == 3e-4
+    assert cfg.rollout_dtype() == "float32" and cfg.algorithm.estimator() == "grpo"
+    # 0 stays a value where it is one
+    kept = load_config(None, ["model.lora.r=0", "run.checkpoint_every=0", "rollout.top_k=0"])
+    assert (kept.model.lora.r, kept.run.checkpoint_every, kept.rollout.top_k) == (0, 0, 0)
+
+
+def test_each_section_checks_itself_and_the_config_adds_the_rules_across_them():
+    from gearshift.rl.config import LoraConfig, PoolsConfig, TrainConfig
+
+    assert TrainConfig(lr=-1.0).problems("train.") == ["train.lr=-1.0 must be > 0 (or null: the algorithm's own)"]
+    assert LoraConfig(r=-1).all_problems("model.lora.") == ["model.lora.r=-1 must be >= 0 (0: no LoRA)"]
+    assert PoolsConfig(train=0).problems("run.pools.") == ["run.pools.train=0 must be >= 1"]
+    cfg = build_config(None, {"model": {"lora": {"r": -1}}, "rollout": {"n": 1}})
+    with pytest.raises(ConfigError) as err:
+        cfg.validate()
+    assert "model.lora.r=-1" in str(err.value)  # a section inside a section
+    assert "rollout.n=1: GRPO compares samples" in str(err.value)  # a rule across algorithm and rollout
+
+
+def test_every_key_is_documented_and_print_config_shows_it(tmp_path, capsys):
+    import dataclasses
+
+    from gearshift.cli import main
+    from gearshift.rl.config import field_help
+
+    def sections(cls):
+        yield cls
+        for f in dataclasses.fields(cls):
+            if dataclasses.is_dataclass(f.default_factory if f.default_factory is not dataclasses.MISSING else None):
+                yield from sections(f.default_factory)
+
+    assert len(list(sections(Config))) == 11  # Config, its 8 sections, model.lora, run.pools
+    for cls in sections(Config):
+        missing = [f.name for f in dataclasses.fields(cls) if not field_help(cls).get(f.name)]
+        assert not missing, f"{cls.__name__}: keys with no docstring: {missing}"
+    assert field_help(Config) and "algorithm's own" in field_help(type(Config().train))["lr"]
+    assert main(["train", "--print-config", "algorithm.name=ppo"]) == 0
+    printed = capsys.readouterr().out
+    lines = printed.splitlines()
+    at = lines.index("  lr: null")
+    assert lines[at - 1].startswith("  # The policy's learning rate; null: the algorithm's own")
+    assert "  name: ppo" in lines
+    f = tmp_path / "printed.yaml"
+    f.write_text(printed)
+    assert load_config(f) == load_config(None, ["algorithm.name=ppo"])  # what it prints reads back the same
 
 
 def test_prompt_and_completion_must_fit_the_context():

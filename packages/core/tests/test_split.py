@@ -29,13 +29,15 @@ def test_split_keys_are_checked_before_anything_starts():
         build_config(None, {"algorithm": {"off_policy_steps": 1}}).validate()
     with pytest.raises(ConfigError) as err:
         build_config(None, {"run": {"placement": "split", "prompts_per_step": 6,
-                                    "pools": {"train": 4, "rollout": 0, "reference": "driver"}},
+                                    "pools": {"train": 4, "rollout": 0}},
                             "train": {"mesh": "dp=2"}}).validate()
     for expected in ("divide evenly over the 4 workers of run.pools.train", "run.pools.rollout=0",
-                     "run.pools.reference='driver'", "train.mesh: mesh dp=2 spans 2 ranks but the world has 4"):
+                     "train.mesh: mesh dp=2 spans 2 ranks but the world has 4"):
         assert expected in str(err.value)
+    with pytest.raises(ConfigError, match="run.pools.reference='driver': use train or rollout"):
+        build_config(None, {"run": {"pools": {"reference": "driver"}}})
     with pytest.raises(ConfigError, match="use colocated or split"):
-        build_config(None, {"run": {"placement": "ray"}}).validate()
+        build_config(None, {"run": {"placement": "ray"}})
 
 
 def length(completion, **row):

@@ -13,16 +13,13 @@ from typing import Any
 from .. import registry
 from .config import Config, ConfigError
 
-SHARE = {"auto": None, "on": True, "off": False}
-
 
 def train_options(cfg: Config, model_path: str) -> dict[str, Any]:
     """What the policy is built from (the reference and the critic start from it too)."""
     t = cfg.train
-    return {"model": model_path, "dtype": cfg.model.dtype, "seed": cfg.run.seed, "mesh": t.mesh or None,
+    return {"model": model_path, "dtype": cfg.model.dtype, "seed": cfg.run.seed, "mesh": t.mesh,
             "lr": cfg.policy_lr(), "weight_decay": t.weight_decay, "max_grad_norm": t.max_grad_norm,
-            "micro_batch_size": t.micro_batch_size or None,
-            "max_tokens_per_micro_batch": t.max_tokens_per_micro_batch or None,
+            "micro_batch_size": t.micro_batch_size, "max_tokens_per_micro_batch": t.max_tokens_per_micro_batch,
             "dropout": cfg.model.dropout, **cfg.model.lora.train_options(), **t.options}
 
 
@@ -61,8 +58,8 @@ def build_rollout(cfg: Config, model_path: str):
     """The rollout engine, checked to hold a prompt and its completion."""
     r = cfg.rollout
     lora = cfg.model.lora
-    rollout = registry.create("rollout", r.backend, model=model_path, dtype=r.dtype or cfg.model.dtype,
-                              seed=cfg.run.seed, mesh=r.mesh or None, max_model_len=r.max_model_len,
+    rollout = registry.create("rollout", r.backend, model=model_path, dtype=cfg.rollout_dtype(),
+                              seed=cfg.run.seed, mesh=r.mesh, max_model_len=r.max_model_len,
                               **({"max_lora_rank": lora.r} if lora.adapter_sync else {}), **r.options)
     if rollout.max_model_len < cfg.data.max_prompt_len + r.max_tokens:
         raise ConfigError(cfg.context_problem(rollout.max_model_len) + f" (the {r.backend} engine's context)")
@@ -73,7 +70,7 @@ def build_resharder(cfg: Config):
     sw = cfg.switch
     name = cfg.resharder()
     return registry.create("reshard", name, bucket_bytes=sw.bucket_mb << 20, **sw.options,
-                           **({"share": SHARE[sw.share]} if name == "stream" else {}))
+                           **({"share": sw.share_flag} if name == "stream" else {}))
 
 
 def build_reward_model(cfg: Config, path: str, device, dtype):

@@ -95,7 +95,8 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("config", nargs="?", help="YAML config file (optional; defaults train the built-in task)")
     parser.add_argument("overrides", nargs="*", metavar="key=value",
                         help="dotted overrides, e.g. algorithm.name=ppo rollout.backend=vllm run.steps=100")
-    parser.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
+    parser.add_argument("--print-config", action="store_true",
+                        help="print the resolved config, each key with its help, and exit")
     parser.add_argument("--check", action="store_true",
                         help="check that the config can run (keys, values, backends, model, data) and exit")
     parser.add_argument("--export", metavar="DIR", help="write the final policy as a Hugging Face folder")
@@ -107,7 +108,7 @@ def train_command(args: argparse.Namespace) -> int:
         path, overrides = None, [path, *overrides]
     cfg = load_config(path, overrides)
     if args.print_config:
-        print(cfg.to_yaml())
+        print(cfg.to_yaml(comments=True), end="")
         return 0
     if args.check:
         print(check_config(cfg))
