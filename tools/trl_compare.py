@@ -78,6 +78,24 @@ def watch(path: Path, seen: list[float], count: int) -> int:
     return len(lines)
 
 
+def cores_used(pid: int, seen: set[int]) -> None:
+    """Add the cores each thread of `pid` (and of its children) is allowed on: an engine that binds its own
+    threads elsewhere would break the one-core-each rule, and shows here."""
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        try:
+            status = (task / "status").read_text()
+            children = (task / "children").read_text().split()
+        except OSError:
+            continue
+        allowed = next(line.split(":")[1].strip() for line in status.splitlines()
+                       if line.startswith("Cpus_allowed_list"))
+        for part in allowed.split(","):
+            lo, _, hi = part.partition("-")
+            seen.update(range(int(lo), int(hi or lo) + 1))
+        for child in children:
+            cores_used(int(child), seen)
+
+
 def shared_median(ends: list[float], window: tuple[float, float]) -> tuple[float, int]:
     """Median of the step times (gaps between step ends) whose both ends fall inside `window`."""
     gaps = [b - a for a, b in zip(ends, ends[1:]) if a >= window[0] and b <= window[1]]
@@ -97,9 +115,14 @@ def run_pair(out: Path, seed: int, steps: int, engines: str, trl_python: str, ex
     procs = {"gearshift": subprocess.Popen(gs_cmd, env=env, stdout=logs["gearshift"], stderr=subprocess.STDOUT),
              "trl": subprocess.Popen(trl_cmd, env=env, stdout=logs["trl"], stderr=subprocess.STDOUT)}
     gs_ends: list[float] = []
-    count = 0
+    count, polls = 0, 0
+    cores: dict[str, set[int]] = {name: set() for name in procs}
     while any(p.poll() is None for p in procs.values()):
         count = watch(gs_dir / "metrics.jsonl", gs_ends, count)
+        if polls % 250 == 249:  # every 5 s, from 5 s on (taskset has set the affinity by then)
+            for name, p in procs.items():
+                cores_used(p.pid, cores[name])
+        polls += 1
         time.sleep(0.02)
     watch(gs_dir / "metrics.jsonl", gs_ends, count)
     for name, p in procs.items():
@@ -115,7 +138,7 @@ def run_pair(out: Path, seed: int, steps: int, engines: str, trl_python: str, ex
     last = min(10, len(gs_rows), len(trl_rows))
     return {"seed": seed, "engines": engines, "steps": steps,
             "gearshift_step_s": gs_step, "trl_step_s": trl_step, "ratio": gs_step / trl_step,
-            "shared_steps": [gs_n, trl_n],
+            "shared_steps": [gs_n, trl_n], "cores": {k: sorted(v) for k, v in cores.items()},
             "gearshift_last10": statistics.mean(r["reward/mean"] for r in gs_rows[-last:]),
             "trl_last10": statistics.mean(r["reward"] for r in trl_rows[-last:]),
             "gearshift_phases": {k: statistics.median(r[k] for r in gs_rows[1:] if k in r)
@@ -147,7 +170,8 @@ def main() -> int:
         print(f"seed {seed} ({args.engines} engines): gearshift {r['gearshift_step_s']:.3f} s/step, "
               f"TRL {r['trl_step_s']:.3f} s/step over the steps both ran ({r['shared_steps'][0]} and "
               f"{r['shared_steps'][1]}): {r['ratio']:.2f}x; last-ten reward gearshift {r['gearshift_last10']:.3f}, "
-              f"TRL {r['trl_last10']:.3f}", flush=True)
+              f"TRL {r['trl_last10']:.3f}; cores gearshift {r['cores']['gearshift']}, TRL {r['cores']['trl']}",
+              flush=True)
         print("  gearshift phases (median s): " + ", ".join(f"{k[5:]} {v:.3f}" for k, v in
                                                            r["gearshift_phases"].items()), flush=True)
     (out / f"summary-{args.engines}.json").write_text(json.dumps(results, indent=1))
