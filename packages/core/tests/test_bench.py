@@ -7,7 +7,7 @@ from gearshift.backends.hf_rollout import HFRolloutEngine
 from gearshift.backends.torch_train import TorchTrainEngine
 from gearshift.bench import OwnLoad, measure_pair, switch_settings
 from gearshift.rl.config import Config, SwitchConfig
-from gearshift.rl.engines import SHARE
+from gearshift.rl.config import SHARE
 
 
 @pytest.mark.parametrize("share, offload", [("auto", "auto"), ("on", "none"), ("off", "optimizer, grads"),

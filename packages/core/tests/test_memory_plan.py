@@ -207,4 +207,5 @@ def test_the_default_micro_batches_fit_free_memory_or_say_what_to_change(monkeyp
     with pytest.raises(MemoryPlanError, match="rows of 40 tokens need.*gradient_checkpointing=true"):
         engine.token_budget(batch)
     engine.device = torch.device("cpu")
-    assert engine.token_budget(batch) is None  # a CPU: the whole batch at once, as before
+    assert engine.token_budget(batch) == memory.CPU_TOKENS_PER_MICRO_BATCH  # a CPU: packed by length
+    assert TorchTrainEngine.build(gearshift_model, micro_batch_size=4).token_budget(batch) is None

@@ -185,16 +185,20 @@ class ModuleTrainEngine(TrainEngine):
         return select_micro_batches(batch, even_out(groups, count), trim=bool(budget))
 
     def token_budget(self, batch: TrainBatch, training: bool = True) -> int | None:
-        """Tokens per micro-batch that fit in the device memory free now, when no micro-batching was asked
-        for and the engine runs on a GPU (None otherwise: the whole batch at once).
+        """Tokens per micro-batch when no micro-batching was asked for: on a GPU, what fits in the device
+        memory free now; on a CPU, `memory.CPU_TOKENS_PER_MICRO_BATCH` (None with `micro_batch_size`).
 
         Free memory (torch's cached blocks included: training allocates through torch) less the gradients
         the backward allocates beside the activations and a margin, over `memory.activation_bytes_per_token`.
         A step whose longest row, or whose optimizer update, does not fit raises `MemoryPlanError` naming
         what to change.
         """
-        if self.device.type != "cuda" or self.args.micro_batch_size:
+        if self.args.micro_batch_size:
             return None
+        if self.device.type != "cuda":  # rows packed by length: less padding computed (memory.py says why)
+            from .memory import CPU_TOKENS_PER_MICRO_BATCH
+
+            return CPU_TOKENS_PER_MICRO_BATCH
         from .memory import GiB, MAX_AUTO_TOKENS, MemoryPlanError, activation_bytes_per_token, device_free, release_cached
 
         per_token = activation_bytes_per_token(

@@ -170,7 +170,8 @@ class TrainConfig(Section):
     micro_batch_size: int | None = None
     """Sequences per forward/backward; null: the whole mini-batch."""
     max_tokens_per_micro_batch: int | None = None
-    """Pack sequences by length into micro-batches of this many tokens; null: off."""
+    """Pack sequences by length into micro-batches of this many tokens; null: what the device holds on a GPU,
+    1,024 on a CPU (when micro_batch_size is null too)."""
     mesh: str | None = None
     """How the engine lies over the ranks, e.g. 'dp=2' or 'dp=2,tp=2'; null: data parallel over every rank."""
     options: dict[str, Any] = field(default_factory=dict)
