@@ -16,6 +16,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .agent.config import AgentConfig
+
 
 class ConfigError(ValueError):
     """A configuration that cannot run, with what to change."""
@@ -226,6 +228,7 @@ class Config:
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
     run: RunConfig = field(default_factory=RunConfig)
+    agent: AgentConfig = field(default_factory=AgentConfig)  # multi-turn episodes: tools, environments, limits
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -261,7 +264,11 @@ class Config:
         if not self.data.path and self.data.task not in TASKS:
             problems.append(f"data.task={self.data.task!r}: built-in tasks are {', '.join(TASKS)} "
                             f"(or set data.path to a jsonl/parquet file)")
-        if self.data.path and not self.reward.fn and not self.reward.model and not reward_given:
+        if self.agent.enabled(None if self.data.path else self.data.task):
+            problems += self.agent.problems(max_prompt_len=self.data.max_prompt_len, max_model_len=r.max_model_len,
+                                            turn_tokens=r.max_tokens)
+        if (self.data.path and not self.reward.fn and not self.reward.model and not reward_given
+                and not self.agent.environment):
             problems.append("reward.fn is not set: a dataset (data.path) needs a reward, e.g. "
                             "reward.fn=my_rewards.py:score")
         if sw.share not in ("auto", "on", "off"):

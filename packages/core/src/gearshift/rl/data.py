@@ -209,7 +209,10 @@ class PromptDataset:
         seed = getattr(cfg, "seed", 0)
         if getattr(cfg, "path", None):
             return cls.from_file(cfg.path, prompt_key=getattr(cfg, "prompt_key", "prompt"), seed=seed)
-        return cls.from_task(getattr(cfg, "task", "add"), seed=seed, **(getattr(cfg, "task_options", None) or {}))
+        from .tasks import options_for
+
+        task = getattr(cfg, "task", "add")
+        return cls.from_task(task, seed=seed, **options_for(task, getattr(cfg, "task_options", None) or {}))
 
     def __len__(self) -> int:
         return len(self.rows)

@@ -34,6 +34,7 @@ from ...profiler import Phase, SwitchReport
 from ...reshard import plan_between_pools
 from ...rollout import Rollout
 from .. import checkpoint
+from ..agent import episode_metrics
 from ..config import Config, ConfigError
 from ..engines import check_context
 from ..metrics import MetricsLogger, plot_rewards
@@ -186,6 +187,7 @@ class SplitController:
         state = self.data.state_dict()
         rows = self.data.next_batch(cfg.run.prompts_per_step)
         scored_there = self.reward_model_path is not None and cfg.run.pools.reward_model == "rollout"
+        scored_there = scored_there or cfg.agent.enabled(None if cfg.data.path else cfg.data.task)  # rows: episodes'
         per_rank = []
         for j in range(pool.size):
             mine = rows[j::pool.size]
@@ -261,6 +263,7 @@ class SplitController:
             "rollout/tokens_per_s": gen_tokens / max(gen_seconds, 1e-9), "time/rollout": gen_seconds,
             # as the rollout workers report it: updates between the weights that generated the batch and these
             "rollout/staleness": self.step - min(r["version"] for r in results), **self.scorer.metrics,
+            **episode_metrics(rollouts),
         })
         if ref_logprobs:
             metrics["time/ref_logprobs"] = max(r.get("ref_seconds", 0.0) for r in results)
