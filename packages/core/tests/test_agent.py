@@ -267,3 +267,34 @@ def test_episodes_on_an_engine_carry_the_models_logprobs_of_its_own_tokens(engin
         got = torch.tensor(x.logprobs)
         assert torch.allclose(got[mask], want[mask], atol=1e-4)
         assert (got[~mask] == 0).all()
+
+
+# --- the built-in tasks -----------------------------------------------------------------------
+def test_the_calc_and_guess_tasks_build_with_their_tools_and_environment():
+    from gearshift.rl.config import Config
+    from gearshift.rl.data import PromptDataset
+    from gearshift.rl.tasks import TASK_AGENTS
+
+    cfg = Config()
+    cfg.data.task = "calc"  # the default job's task_options are add's: calc takes its own
+    rows = PromptDataset.from_config(cfg.data).rows
+    import re
+
+    assert all(re.fullmatch(r"\d{1,2}\+\d{1,2}=", r["prompt"]) for r in rows)
+    assert max(len(r["prompt"]) for r in rows) == 6  # two-digit operands, not the default job's "a+1="
+    assert all(calc(r["prompt"][:-1]) == r["answer"] for r in rows)
+    assert cfg.agent.enabled("calc") and cfg.agent.enabled("guess") and not cfg.agent.enabled("add")
+    assert TASK_AGENTS["calc"]["tools"] == ["gearshift.rl.agent.builtin:calc"]
+    cfg.validate()
+
+
+def test_the_tool_warmup_teaches_the_call_and_keeps_the_tools_answer_out_of_the_loss(gearshift_model, tmp_path,
+                                                                                       tokenizer):
+    from gearshift.models.warmup import tool_warmup
+    from gearshift.rl.tasks import make_task
+
+    rows = make_task("calc", 64, seed=1)
+    out = tool_warmup(gearshift_model, tmp_path / "m", rows, steps=2, batch_size=8)
+    from transformers import AutoModelForCausalLM
+
+    assert AutoModelForCausalLM.from_pretrained(out) is not None
