@@ -44,3 +44,16 @@ class GuessNumber(Environment):
         if guess == self.target:
             return "", True, 1.0
         return (" higher " if guess < self.target else " lower "), False, 0.0
+
+
+def digits_match(completion: str, answer: Any) -> float:
+    """1.0 for the answer's number alone; else the share of its digits right in place (counted from the
+    right, over the longer of the two), so a model learning to read a tool's answer earns credit digit by
+    digit; 0.0 for a completion that is not a number."""
+    text, answer = completion.strip(), str(answer).strip()
+    if text == answer:
+        return 1.0
+    if not text.isdigit():
+        return 0.0
+    same = sum(a == b for a, b in zip(reversed(text), reversed(answer)))
+    return same / max(len(text), len(answer))
