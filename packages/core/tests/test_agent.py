@@ -298,3 +298,19 @@ def test_the_tool_warmup_teaches_the_call_and_keeps_the_tools_answer_out_of_the_
     from transformers import AutoModelForCausalLM
 
     assert AutoModelForCausalLM.from_pretrained(out) is not None
+
+
+def test_chat_prompts_are_rendered_with_the_tools_schemas(tokenizer):
+    import copy
+
+    from gearshift.rl.data import PromptDataset
+
+    tok = copy.copy(tokenizer)
+    tok.chat_template = HERMES
+    agent = Agent(AgentConfig(tools=[add]), tok)
+    data = PromptDataset([{"prompt": [{"role": "user", "content": "1+2?"}]}])
+    data.bind(tok, tools=agent.schemas())
+    text = tok.decode(data.next_batch(1)[0]["prompt_ids"])
+    assert text.startswith("<|im_start|>system\n# Tools\n") and '"name": "add"' in text
+    assert text.endswith("<|im_start|>user\n1+2?<|im_end|>\n<|im_start|>assistant\n")
+    assert Agent(AgentConfig(tools=[add]), tokenizer).schemas() == []  # the text format: nothing to render

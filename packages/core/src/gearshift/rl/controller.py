@@ -78,16 +78,19 @@ class Controller:
         given_val = eval_dataset if eval_dataset is not None else cfg.data.val_path
         #: the held-out rows evaluated every `run.eval_every` steps and after the last (None: no evaluation)
         self.val_data = as_prompt_dataset(given_val, prompt_key=key, shuffle=False) if given_val is not None else None
+        #: the episode loop of the agent section (None: one completion a sample)
+        self.agent = Agent.from_config(cfg, self.tokenizer)
+        tools = self.agent.schemas() if self.agent else None  # chat prompts show the template's tools
         for data in filter(None, (self.data, self.val_data)):
             if reward is not None:
                 reward.check_columns(data.columns)  # a missing column fails now, not after a rollout
-            data.bind(self.tokenizer, max_prompt_len=cfg.data.max_prompt_len)
+            data.bind(self.tokenizer, max_prompt_len=cfg.data.max_prompt_len, tools=tools)
         self.plot_path: Path | None = None  # the reward curve, once drawn
         self.policy = build_policy(cfg, self.model_path)
         self.scorer = Scorer(cfg, self.tokenizer, reward, self._reward_model() if cfg.reward.model else None)
         rollout = build_rollout(cfg, self.model_path)
-        #: the episode loop of the agent section (None: one completion a sample)
-        self.agent = Agent.from_config(cfg, self.tokenizer, max_model_len=rollout.max_model_len)
+        if self.agent is not None:
+            self.agent.max_model_len = rollout.max_model_len
         self.actor = HybridActor(self.policy, rollout, build_resharder(cfg), offload=cfg.offload_tags(),
                                  offload_params=cfg.switch.offload_params)
         self.shares = Shares(rollout.mesh, self.policy.mesh)

@@ -34,7 +34,7 @@ from ...profiler import Phase, SwitchReport
 from ...reshard import plan_between_pools
 from ...rollout import Rollout
 from .. import checkpoint
-from ..agent import episode_metrics
+from ..agent import Agent, episode_metrics
 from ..config import Config, ConfigError
 from ..engines import check_context
 from ..metrics import MetricsLogger, plot_rewards
@@ -93,12 +93,16 @@ class SplitController:
         check_context(cfg, self.model_path)
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
         rule = reward_fn or cfg.reward.rule(cfg.data)
+        if reward_fn is None and cfg.data.path and cfg.agent.environment and not cfg.reward.fn:
+            rule = None  # the environment owns the reward
         self.scorer = Scorer(cfg, self.tokenizer, load_reward(rule) if rule else None)
         self.data = (as_prompt_dataset(dataset, prompt_key=cfg.data.prompt_key, seed=cfg.data.seed)
                      if dataset is not None else PromptDataset.from_config(cfg.data))
         if self.scorer.reward_fn is not None:
             self.scorer.reward_fn.check_columns(self.data.columns)
-        self.data.bind(self.tokenizer, max_prompt_len=cfg.data.max_prompt_len)
+        agent = Agent.from_config(cfg, self.tokenizer)  # chat prompts show the template's tools
+        self.data.bind(self.tokenizer, max_prompt_len=cfg.data.max_prompt_len,
+                       tools=agent.schemas() if agent else None)
         self.reward_model_path = resolve_model(cfg.reward.model) if cfg.reward.model else None
         self.plot_path: Path | None = None  # the reward curve, once drawn
         self.step = 0
