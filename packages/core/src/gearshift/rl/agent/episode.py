@@ -76,7 +76,6 @@ class Agent:
         self._classes: dict[Any, type] = {}
         if self.environment is not None:
             self._classes[self.environment] = load_environment(self.environment)  # a bad name fails at start-up
-        self.eos_ids = {i for i in (getattr(tokenizer, "eos_token_id", None),) if i is not None}
 
     @classmethod
     def from_config(cls, config, tokenizer, *, max_model_len: int | None = None) -> "Agent | None":
