@@ -157,7 +157,7 @@ FAST = {"checkpoint_every": 0, "progress": False, "samples_per_step": 0, "tensor
         "resume": "never"}
 
 
-@pytest.mark.parametrize("task,algorithm,lora", [("guess", "grpo", 0), ("calc", "ppo", 0), ("guess", "grpo", 4)])
+@pytest.mark.parametrize("task,algorithm,lora", [("calc", "ppo", 0), ("guess", "grpo", 4)])
 def test_a_run_trains_on_episodes_and_reports_them(gearshift_model, tmp_path, task, algorithm, lora):
     from gearshift import Trainer
 
