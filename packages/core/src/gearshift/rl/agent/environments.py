@@ -24,7 +24,7 @@ from .tools import ToolError, load_object
 
 
 
-class AgentError(RuntimeError):
+class AgentError(ValueError):
     """An environment that failed (raised, or answered something unusable); the message names the row."""
 
 
