@@ -165,3 +165,17 @@ def test_a_worker_killed_mid_run_stops_the_run_naming_it_and_the_run_resumes(gea
     finally:
         resumed.close()
     assert [r["step"] for r in read_jsonl(out / "metrics.jsonl")] == list(range(1, logged[-1] + 3))
+
+
+def test_episodes_run_on_the_rollout_pool_one_step_off_policy(gearshift_ray_cluster, gearshift_model, tmp_path):
+    from gearshift.rl.split import SplitController
+
+    cfg = config(gearshift_model, tmp_path / "run", steps=2, data={"task": "guess"},
+                 agent={"max_turns": 3, "max_tokens": 16}, algorithm={"off_policy_steps": 1})
+    ctl = SplitController(cfg)
+    try:
+        history = ctl.fit()
+    finally:
+        ctl.close()
+    assert all(1 <= m["agent/turns_mean"] <= 3 and m["agent/model_token_share"] < 1 for m in history)
+    assert history[0]["mismatch/logprob_max"] < 1e-4  # environment tokens (logprob 0) stay out of it

@@ -39,7 +39,7 @@ def switch_settings(share: str, offload: str) -> tuple[bool | None, str | list[s
     """`--share` and `--offload` read as the run config reads `switch.share` and `switch.offload`: what
     `StreamingResharder(share=...)` and `HybridActor(offload=...)` take."""
     from ..rl.config import Config, SwitchConfig
-    from ..rl.engines import SHARE
+    from ..rl.config import SHARE
 
     cfg = Config(switch=SwitchConfig(share=share, offload=offload))
     return SHARE[cfg.switch.share], cfg.offload_tags()
@@ -186,7 +186,7 @@ def measure_switch(train_name: str, rollout_name: str, model: str, switches: int
 
 
 def add_switch_arguments(p: argparse.ArgumentParser) -> None:
-    from ..rl.engines import SHARE
+    from ..rl.config import SHARE
 
     p.add_argument("--train", default="torch", help="train backend (default torch)")
     p.add_argument("--rollout", default="hf", help="rollout backend (default hf)")

@@ -30,15 +30,27 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=8)
 
 
 def train_logprob_diff(train, rollouts) -> float:
-    """Max |rollout logprob - train logprob| over the sampled tokens."""
+    """Max |rollout logprob - train logprob| over the sampled tokens (an episode's: the model's own)."""
     batch = TrainBatch.from_sequences([r.prompt_ids for r in rollouts], [r.token_ids for r in rollouts])
     lp = train.forward_logprobs(batch).logprobs.cpu()
     diff = 0.0
     for i, r in enumerate(rollouts):
         start = len(r.prompt_ids)
         mine = lp[i, start:start + len(r.token_ids)]
-        diff = max(diff, float((mine - torch.tensor(r.logprobs)).abs().max()))
+        model = torch.tensor(r.extra.get("loss_mask", [1] * len(r.token_ids)), dtype=torch.bool)
+        diff = max(diff, float(((mine - torch.tensor(r.logprobs)).abs() * model).max()))
     return diff
+
+
+class _TwoTurns:
+    """An environment answering the first turn with a fixed text, ending the episode after the second."""
+
+    def reset(self, row):
+        self.turns = 0
+
+    def step(self, text):
+        self.turns += 1
+        return " ok, and? ", self.turns >= 2, None
 
 
 class PairSuite:
@@ -80,6 +92,24 @@ class PairSuite:
         diff = train_logprob_diff(actor.train, out)
         record_property("max_abs_logprob_diff", diff)
         print(f"rollout vs train logprobs after sync: max abs diff {diff:.3g}")
+        assert diff <= self.logprob_atol
+
+    def test_a_two_turn_episodes_logprobs_agree_with_training(self, actor, gearshift_model, record_property):
+        """An episode's model tokens after an environment's answer: the engine's logprobs are the trainer's over
+        the whole episode, in one forward pass."""
+        from transformers import AutoTokenizer
+
+        from ..rl.agent import Agent, AgentConfig
+
+        tokenizer = AutoTokenizer.from_pretrained(gearshift_model)
+        agent = Agent(AgentConfig(environment=_TwoTurns, max_turns=2, max_tokens=32), tokenizer,
+                      max_model_len=actor.rollout.max_model_len)
+        actor.to_rollout()
+        out = agent.run(actor.generate, [{"prompt": "p"}] * len(PROMPTS), PROMPTS, SAMPLE)
+        actor.to_train()
+        assert all(x.extra["turns"] == 2 and 0 in x.extra["loss_mask"] for x in out)
+        diff = train_logprob_diff(actor.train, out)
+        record_property("max_abs_logprob_diff_episode", diff)
         assert diff <= self.logprob_atol
 
     def test_a_train_step_reaches_the_rollout_engine(self, actor):

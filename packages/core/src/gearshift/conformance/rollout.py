@@ -227,6 +227,25 @@ class RolloutEngineSuite:
             self._restore(rollout_engine, original)
         assert diff <= self.logprob_atol, f"reset_cache kept keys and values of the old weights (diff {diff:.3g})"
 
+    def test_a_turn_continued_after_non_model_tokens_is_a_fresh_prompt_holding_them(self, rollout_engine, original,
+                                                                                     gearshift_model):
+        """The second turn of an episode: a context of a long prompt, the model's first turn and tokens the model
+        did not write (a tool's answer) gives, served after the first turn filled any prefix cache, the same
+        tokens and logprobs as a fresh prompt holding the same tokens."""
+        prompts = long_prompts(rollout_engine.max_model_len - 24)
+        greedy = SamplingParams(temperature=0.0, max_tokens=4)
+        rollout_engine.reset_cache()
+        first = rollout_engine.generate(prompts, greedy)
+        answer = [60, 114, 62, 52, 50, 60, 47, 114, 62]  # "<r>42</r>": tokens of no model turn
+        contexts = [x.prompt_ids + x.token_ids + answer for x in first]
+        continued = rollout_engine.generate(contexts, greedy)  # any cached prefix of the first turn serves
+        diff = self._diff_from_fresh(rollout_engine, contexts, greedy, original, gearshift_model)
+        rollout_engine.reset_cache()
+        fresh = rollout_engine.generate(contexts, greedy)
+        assert same_outputs(continued, fresh), "a continued turn must sample what a fresh prompt does"
+        assert max_logprob_diff(continued, fresh) <= self.logprob_atol
+        assert diff <= self.logprob_atol, f"the continued turn's logprobs are off the model's (diff {diff:.3g})"
+
     def test_buckets_before_a_bad_one_stay_applied(self, rollout_engine, original, gearshift_model):
         names = list(original)
         first = [n for n in names if ".0." in n] or names[: len(names) // 2]  # a whole layer

@@ -43,8 +43,52 @@ def format_warmup(base: str, out: str | Path, rows: list[dict], *, steps: int = 
     return str(out)
 
 
+def tool_warmup(base: str, out: str | Path, rows: list[dict], *, steps: int = 300, batch_size: int = 64,
+                lr: float = 1e-3, seed: int = 0) -> str:
+    """Fine-tune `base` on calculator episodes of `rows` whose final answers are shuffled, and save it to `out`.
+
+    Each example is the episode the `calc` task's agent writes: `<calc>a+b</calc>` (the model's), the tool's
+    `<result>c</result>` (kept out of the loss, as in RL) and an answer drawn at random from the task's answers,
+    so the model learns to call the tool and to answer with a number, not to read the tool's answer.
+    """
+    from transformers import AutoTokenizer
+
+    from ..rl.agent.builtin import calc
+    from ..rl.data import tokenize_prompts
+
+    tokenizer = AutoTokenizer.from_pretrained(base)
+    rng = random.Random(seed)
+    answers = [r["answer"] for r in rows]
+    prompts = tokenize_prompts(rows, tokenizer)
+
+    def encode(text: str) -> list[int]:
+        return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    episodes, masks = [], []
+    for row in rows:
+        expression = row["prompt"].rstrip("=")
+        call, result = encode(f"<calc>{expression}</calc>"), encode(f"<result>{calc(expression)}</result>")
+        answer = encode(rng.choice(answers)) + [tokenizer.eos_token_id]
+        episodes.append(call + result + answer)
+        masks.append([1] * len(call) + [0] * len(result) + [1] * len(answer))
+    torch.manual_seed(seed)
+    engine = TorchTrainEngine.build(base, lr=lr, seed=seed)
+    for _ in range(steps):
+        pick = rng.sample(range(len(rows)), min(batch_size, len(rows)))
+        batch = TrainBatch.from_sequences([prompts[i] for i in pick], [episodes[i] for i in pick],
+                                          pad_id=tokenizer.pad_token_id)
+        for j, i in enumerate(pick):
+            start = len(prompts[i])
+            batch.loss_mask[j, start:start + len(masks[i])] *= torch.tensor(masks[i], dtype=batch.loss_mask.dtype)
+        engine.train_step(batch, nll_loss)
+    engine.save_hf(str(out))
+    return str(out)
+
+
 #: the task options the '<preset>-<task>' models are warmed up with; the default job's data uses the same
 TASK_MODEL_OPTIONS = {"add": {"digits": 1, "second": 1}}
+#: tasks whose models are warmed up on tool-calling episodes (`tool_warmup`) rather than bare answers
+TOOL_WARMUPS = {"calc": tool_warmup}
 
 
 def build_task_model(path: str | Path, preset: str, task: str, *, seed: int = 0, **task_options) -> str:
@@ -53,11 +97,12 @@ def build_task_model(path: str | Path, preset: str, task: str, *, seed: int = 0,
 
     path = Path(path)
     done = path / "gearshift-warmup.done"
-    recipe = f"{preset} {task} {sorted(task_options.items())} seed={seed} warmup=v2\n"
+    version = "tool-v1" if task in TOOL_WARMUPS else "v2"
+    recipe = f"{preset} {task} {sorted(task_options.items())} seed={seed} warmup={version}\n"
     if done.exists() and done.read_text() == recipe:
         return str(path)
     base = build_model(path / "base", preset=preset, seed=seed)
     rows = make_task(task, 2000, seed=seed + 1, **task_options)
-    format_warmup(base, path, rows, seed=seed)
+    TOOL_WARMUPS.get(task, format_warmup)(base, path, rows, seed=seed)
     done.write_text(recipe)
     return str(path)

@@ -26,6 +26,7 @@ from .engines import (
 )
 from ..hybrid import HybridActor
 from ..profiler import peak_memory_bytes
+from .agent import Agent, episode_metrics
 from .learner import Learner
 from .metrics import MetricsLogger, plot_rewards
 from .scoring import Scorer
@@ -68,6 +69,8 @@ class Controller:
         check_context(cfg, self.model_path)
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
         rule = reward_fn or cfg.reward.rule(cfg.data)  # none when a reward model alone scores
+        if reward_fn is None and cfg.data.path and cfg.agent.environment and not cfg.reward.fn:
+            rule = None  # the environment owns the reward
         reward = load_reward(rule) if rule else None
         key = cfg.data.prompt_key
         self.data = (as_prompt_dataset(dataset, prompt_key=key, seed=cfg.data.seed) if dataset is not None
@@ -75,14 +78,19 @@ class Controller:
         given_val = eval_dataset if eval_dataset is not None else cfg.data.val_path
         #: the held-out rows evaluated every `run.eval_every` steps and after the last (None: no evaluation)
         self.val_data = as_prompt_dataset(given_val, prompt_key=key, shuffle=False) if given_val is not None else None
+        #: the episode loop of the agent section (None: one completion a sample)
+        self.agent = Agent.from_config(cfg, self.tokenizer)
+        tools = self.agent.schemas() if self.agent else None  # chat prompts show the template's tools
         for data in filter(None, (self.data, self.val_data)):
             if reward is not None:
                 reward.check_columns(data.columns)  # a missing column fails now, not after a rollout
-            data.bind(self.tokenizer, max_prompt_len=cfg.data.max_prompt_len)
+            data.bind(self.tokenizer, max_prompt_len=cfg.data.max_prompt_len, tools=tools)
         self.plot_path: Path | None = None  # the reward curve, once drawn
         self.policy = build_policy(cfg, self.model_path)
         self.scorer = Scorer(cfg, self.tokenizer, reward, self._reward_model() if cfg.reward.model else None)
         rollout = build_rollout(cfg, self.model_path)
+        if self.agent is not None:
+            self.agent.max_model_len = rollout.max_model_len
         self.actor = HybridActor(self.policy, rollout, build_resharder(cfg), offload=cfg.offload_tags(),
                                  offload_params=cfg.switch.offload_params)
         self.shares = Shares(rollout.mesh, self.policy.mesh)
@@ -141,7 +149,7 @@ class Controller:
         sampling = cfg.sampling(seed=cfg.run.seed * 1_000_003 + self.step * 1009 + self.shares.rollout_dp)
         switch_in = self.actor.to_rollout()
         with timed("rollout"):
-            rollouts = self.actor.generate(prompts, sampling)
+            rollouts = self._generate(rows, prompts, sampling)
         switch_out = self.actor.to_train()
         train_rows, train_rollouts = self.shares.to_train(rows, rollouts)
         with timed("reward"):
@@ -168,6 +176,7 @@ class Controller:
             "switch/offload_gb": sum(p.bytes for p in switch_in.phases if p.name.startswith("offload")) / 2**30,
             "switch/rollout_slept": float(switch_out.phase("sleep") is not None),
             "memory/peak_gb": peak_memory_bytes() / 2**30, **times, **self.scorer.metrics,
+            **episode_metrics(rollouts),
         })
         metrics = gdist.average_metrics(metrics)
         metrics["time/step"] = time.perf_counter() - step_start
@@ -177,6 +186,12 @@ class Controller:
         self.samples = [(self.tokenizer.decode(x.prompt_ids, skip_special_tokens=True), x.text or "", rw)
                         for x, rw in zip(kept[: cfg.run.samples_per_step], rewards)]
         return metrics
+
+    def _generate(self, rows: list, prompts: list, sampling) -> list:
+        """The rollouts of `prompts`: episodes when the run has an agent, else one completion a sample."""
+        if self.agent is None:
+            return self.actor.generate(prompts, sampling)
+        return self.agent.run(self.actor.generate, rows, prompts, sampling)
 
     # --- held-out evaluation --------------------------------------------------------------
     def _eval_due(self) -> bool:
@@ -195,7 +210,7 @@ class Controller:
                                                              + self.shares.rollout_dp))
         self.actor.to_rollout()
         try:  # a rank with no held-out rows still switches: the switch is collective
-            rollouts = self.actor.generate([r["prompt_ids"] for r in rows], sampling) if rows else []
+            rollouts = self._generate(rows, [r["prompt_ids"] for r in rows], sampling) if rows else []
         finally:
             self.actor.to_train()
         kept, rewards = self.scorer.score(rollouts, rows)

@@ -134,23 +134,28 @@ def as_prompt_dataset(source: Any, *, prompt_key: str = "prompt", seed: int = 0,
     return PromptDataset(rows, prompt_key=prompt_key, seed=seed, shuffle=shuffle)
 
 
-def render_prompt(prompt: str | Sequence[Mapping[str, str]], tokenizer, origin: str = "prompt") -> str:
-    """The prompt as text: a string as is, chat messages through the tokenizer's chat template."""
+def render_prompt(prompt: str | Sequence[Mapping[str, str]], tokenizer, origin: str = "prompt",
+                  tools: Sequence[Mapping[str, Any]] | None = None) -> str:
+    """The prompt as text: a string as is, chat messages through the tokenizer's chat template (with the
+    `tools` schemas, when given)."""
     if isinstance(prompt, str):
         return prompt
     if not getattr(tokenizer, "chat_template", None):
         raise DataError(f"{origin}: the prompt is a list of chat messages but the tokenizer has no chat "
                         f"template; give the prompt as a string, or use a tokenizer with a chat template")
-    return tokenizer.apply_chat_template([dict(m) for m in prompt], tokenize=False, add_generation_prompt=True)
+    extra = {"tools": list(tools)} if tools else {}
+    return tokenizer.apply_chat_template([dict(m) for m in prompt], tokenize=False, add_generation_prompt=True,
+                                         **extra)
 
 
 def tokenize_prompts(rows: Sequence[Mapping[str, Any]], tokenizer, *, prompt_key: str = "prompt",
-                     max_prompt_len: int | None = None, truncation: str = "error") -> list[list[int]]:
+                     max_prompt_len: int | None = None, truncation: str = "error",
+                     tools: Sequence[Mapping[str, Any]] | None = None) -> list[list[int]]:
     """Prompt token ids of each row; a prompt over `max_prompt_len` tokens raises, or is cut (`truncation`)."""
     if truncation not in TRUNCATION:
         raise DataError(f"truncation={truncation!r}: use one of {', '.join(TRUNCATION)}")
     origins = [getattr(row, "origin", "") or f"row {i}" for i, row in enumerate(rows)]
-    texts = [render_prompt(row[prompt_key], tokenizer, origin) for row, origin in zip(rows, origins)]
+    texts = [render_prompt(row[prompt_key], tokenizer, origin, tools) for row, origin in zip(rows, origins)]
     is_chat = [not isinstance(row[prompt_key], str) for row in rows]
     ids: list[list[int]] = [[] for _ in rows]
     # a rendered chat template already holds its special tokens (BOS); a plain string gets the tokenizer's
@@ -209,7 +214,10 @@ class PromptDataset:
         seed = getattr(cfg, "seed", 0)
         if getattr(cfg, "path", None):
             return cls.from_file(cfg.path, prompt_key=getattr(cfg, "prompt_key", "prompt"), seed=seed)
-        return cls.from_task(getattr(cfg, "task", "add"), seed=seed, **(getattr(cfg, "task_options", None) or {}))
+        from .tasks import options_for
+
+        task = getattr(cfg, "task", "add")
+        return cls.from_task(task, seed=seed, **options_for(task, getattr(cfg, "task_options", None) or {}))
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -226,10 +234,12 @@ class PromptDataset:
             common &= row.keys()
         return sorted(common)
 
-    def bind(self, tokenizer, *, max_prompt_len: int | None = None, truncation: str = "error") -> None:
-        """Tokenize every prompt now, so a prompt that is too long fails at start-up, not mid-run."""
+    def bind(self, tokenizer, *, max_prompt_len: int | None = None, truncation: str = "error",
+             tools: Sequence[Mapping[str, Any]] | None = None) -> None:
+        """Tokenize every prompt now, so a prompt that is too long fails at start-up, not mid-run (`tools`:
+        schemas a chat prompt is rendered with)."""
         self._prompt_ids = tokenize_prompts(self.rows, tokenizer, prompt_key=self.prompt_key,
-                                            max_prompt_len=max_prompt_len, truncation=truncation)
+                                            max_prompt_len=max_prompt_len, truncation=truncation, tools=tools)
 
     def _order(self, epoch: int) -> list[int]:
         if self._order_cache is None or self._order_cache[0] != epoch:

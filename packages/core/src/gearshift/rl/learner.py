@@ -37,6 +37,21 @@ def response_logprobs(rollouts: Sequence[Rollout], values: Sequence[Sequence[flo
     return out
 
 
+def episode_loss_mask(rollouts: Sequence[Rollout], mask: torch.Tensor) -> torch.Tensor:
+    """`mask` AND each episode's own loss mask (`Rollout.extra["loss_mask"]`: 1 on the model's tokens, 0 on a
+    tool's or an environment's), so those tokens carry no loss, KL or entropy and weigh in no advantage
+    statistics; single completions keep `mask` as it is."""
+    from .agent import LOSS_MASK
+
+    if not any(LOSS_MASK in x.extra for x in rollouts):
+        return mask
+    own = [x.extra.get(LOSS_MASK, [1] * len(x.token_ids)) for x in rollouts]
+    for x, m in zip(rollouts, own):
+        if len(m) != len(x.token_ids):
+            raise ValueError(f"an episode's loss mask has {len(m)} entries for its {len(x.token_ids)} tokens")
+    return mask * response_logprobs(rollouts, own, mask)
+
+
 class Learner:
     """The policy, and the reference and critic when the algorithm has them, and how one step updates them."""
 
@@ -67,6 +82,7 @@ class Learner:
         cfg, a = self.config, self.config.algorithm
         batch = TrainBatch.from_sequences([x.prompt_ids for x in kept], [x.token_ids for x in kept],
                                           pad_id=self.pad_id)
+        batch.loss_mask = episode_loss_mask(kept, batch.loss_mask)  # an episode's tool/environment tokens: 0
         mask = batch.loss_mask
         group_ids = torch.tensor([x.prompt_index for x in kept])
         reward_t = torch.tensor(rewards, dtype=torch.float32)

@@ -38,6 +38,15 @@ class Scorer:
         prompts = [rows[x.prompt_index][self.config.data.prompt_key] for x in rollouts]
         return self.reward_model.score(prompts, [x.text for x in rollouts])
 
+    def _rule(self, x: Rollout, row: dict) -> float | None:
+        """The rule reward of one completion (checked: a finite float, or None to drop the sample)."""
+        if self.reward_fn is None:
+            from .rewards import RewardError
+
+            raise RewardError(f"{getattr(row, 'origin', '') or 'a row'}: its episode's environment gave no reward "
+                              f"and no reward.fn is set to score it")
+        return self.reward_fn(x.text, **{k: v for k, v in row.items() if k != "prompt_ids"})
+
     def score(self, rollouts: list[Rollout], rows: list[dict],
               learned: Sequence[float] | None = None) -> tuple[list[Rollout], list[float]]:
         """The rollouts kept and their rewards; `learned`: reward-model scores computed elsewhere."""
@@ -45,8 +54,10 @@ class Scorer:
 
         self.decode(rollouts)
         values = None
-        if self.reward_fn is not None:  # checked: a finite float, or None to drop the sample
-            values = [self.reward_fn(x.text, **{k: v for k, v in rows[x.prompt_index].items() if k != "prompt_ids"})
+        if (self.reward_fn is not None or (self.reward_model is None and learned is None)
+                or any("reward" in x.extra for x in rollouts)):
+            # an episode's environment owns its reward when it gave one; the rule scores the rest
+            values = [x.extra["reward"] if "reward" in x.extra else self._rule(x, rows[x.prompt_index])
                       for x in rollouts]
         if self.reward_model is not None or learned is not None:
             start = time.perf_counter()

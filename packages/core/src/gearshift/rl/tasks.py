@@ -61,15 +61,48 @@ def reverse(n: int, *, seed: int = 0, min_len: int = 3, max_len: int = 5) -> lis
     return rows
 
 
-TASKS: dict[str, Callable[..., list[dict]]] = {"add": addition, "arith": arithmetic, "reverse": reverse}
+def calc(n: int, *, seed: int = 0, digits: int = 2) -> list[dict]:
+    """"a+b=" with operands of `digits` digits, for a model with a calculator tool (`TASK_AGENTS`): it can
+    call `<calc>a+b</calc>`, read `<result>c</result>`, and answer c."""
+    return arithmetic(n, seed=seed, digits=digits, ops="+")
+
+
+def guess(n: int, *, seed: int = 0, top: int = 9) -> list[dict]:
+    """"guess 0-9:" with a hidden integer `answer` in [0, top], found over turns of higher/lower answers
+    (the `GuessNumber` environment, which owns the reward)."""
+    if top < 1:
+        raise ValueError(f"top={top} must be >= 1")
+    rng = random.Random(seed)
+    return [{"prompt": f"guess 0-{top}:", "answer": str(rng.randint(0, top))} for _ in range(n)]
+
+
+TASKS: dict[str, Callable[..., list[dict]]] = {"add": addition, "arith": arithmetic, "reverse": reverse,
+                                               "calc": calc, "guess": guess}
 
 #: the reward that grades each task
 TASK_REWARDS = {"add": "gearshift.rl.rewards:numeric_match", "arith": "gearshift.rl.rewards:numeric_match",
-                "reverse": "gearshift.rl.rewards:exact_match"}
+                "reverse": "gearshift.rl.rewards:exact_match", "calc": "gearshift.rl.agent.builtin:digits_match",
+                "guess": "gearshift.rl.rewards:numeric_match"}
+
+#: the tools and environment a task's episodes have (`agent.*` adds to them)
+TASK_AGENTS = {"calc": {"tools": ["gearshift.rl.agent.builtin:calc"]},
+               "guess": {"environment": "gearshift.rl.agent.builtin:GuessNumber"}}
+
+
+#: `data.task_options`' default: the default job's (add with a second operand of 1)
+DEFAULT_JOB_OPTIONS = {"digits": 1, "second": 1}
+
+
+def options_for(name: str, options: dict) -> dict:
+    """The options a task is made with: the default job's left untouched are add's (and arith's) only, so
+    another task named alone (`data.task=calc`) gets its own defaults."""
+    if options == DEFAULT_JOB_OPTIONS and name not in ("add", "arith"):
+        return {}
+    return dict(options)
 
 
 def make_task(name: str, n: int = 4096, *, seed: int = 0, **options) -> list[dict]:
-    """`n` rows of the built-in task `name` (add, arith, reverse); `options` set its difficulty."""
+    """`n` rows of the built-in task `name` (add, arith, reverse, calc, guess); `options` set its difficulty."""
     if name not in TASKS:
         raise ValueError(f"unknown task {name!r}; built-in tasks: {', '.join(TASKS)}")
     if n < 1:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
+from .agent import AgentConfig
 from .algorithm import AlgorithmConfig
 from .base import ConfigError, Section, commented_yaml
 from .run import RunConfig
@@ -31,6 +32,8 @@ class Config(Section):
     """The reward."""
     run: RunConfig = field(default_factory=RunConfig)
     """Steps, output, logging and placement."""
+    agent: AgentConfig = field(default_factory=AgentConfig)
+    """Multi-turn episodes: tools, environments and their limits."""
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -46,6 +49,7 @@ class Config(Section):
         across sections (`reward_given`: a reward function comes with the run, so `reward.fn` may stay unset;
         `eval_given`: so does a held-out set, so `data.val_path` may)."""
         problems = [*self.all_problems(), *self._context_problems(), *self._reward_problems(reward_given),
+                    *self._agent_problems(),
                     *self._batch_problems(world_size), *self._mesh_problems(world_size),
                     *self._eval_problems(eval_given), *self._placement_problems(), *self._adapter_sync_problems(),
                     *self._options_problems()]
@@ -59,10 +63,19 @@ class Config(Section):
             return [self.context_problem(context)]
         return []
 
+    def _agent_problems(self) -> list[str]:
+        if not self.agent.enabled(None if self.data.path else self.data.task):
+            return []
+        return self.agent.limit_problems(max_prompt_len=self.data.max_prompt_len,
+                                         max_model_len=self.rollout.max_model_len, turn_tokens=self.rollout.max_tokens)
+
     def _reward_problems(self, reward_given: bool) -> list[str]:
-        if self.data.path and not self.reward.fn and not self.reward.model and not reward_given:
-            return ["reward.fn is not set: a dataset (data.path) needs a reward, e.g. reward.fn=my_rewards.py:score"]
-        return []
+        problems = []
+        if (self.data.path and not self.reward.fn and not self.reward.model and not reward_given
+                and not self.agent.environment):  # an environment owns its reward
+            problems.append("reward.fn is not set: a dataset (data.path) needs a reward, e.g. "
+                            "reward.fn=my_rewards.py:score")
+        return problems
 
     def _batch_problems(self, world_size: int) -> list[str]:
         r, t, run = self.rollout, self.train, self.run

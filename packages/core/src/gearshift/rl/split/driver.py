@@ -34,6 +34,7 @@ from ...profiler import Phase, SwitchReport
 from ...reshard import plan_between_pools
 from ...rollout import Rollout
 from .. import checkpoint
+from ..agent import Agent, episode_metrics
 from ..config import Config, ConfigError
 from ..engines import check_context
 from ..metrics import MetricsLogger, plot_rewards
@@ -92,12 +93,16 @@ class SplitController:
         check_context(cfg, self.model_path)
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
         rule = reward_fn or cfg.reward.rule(cfg.data)
+        if reward_fn is None and cfg.data.path and cfg.agent.environment and not cfg.reward.fn:
+            rule = None  # the environment owns the reward
         self.scorer = Scorer(cfg, self.tokenizer, load_reward(rule) if rule else None)
         self.data = (as_prompt_dataset(dataset, prompt_key=cfg.data.prompt_key, seed=cfg.data.seed)
                      if dataset is not None else PromptDataset.from_config(cfg.data))
         if self.scorer.reward_fn is not None:
             self.scorer.reward_fn.check_columns(self.data.columns)
-        self.data.bind(self.tokenizer, max_prompt_len=cfg.data.max_prompt_len)
+        agent = Agent.from_config(cfg, self.tokenizer)  # chat prompts show the template's tools
+        self.data.bind(self.tokenizer, max_prompt_len=cfg.data.max_prompt_len,
+                       tools=agent.schemas() if agent else None)
         self.reward_model_path = resolve_model(cfg.reward.model) if cfg.reward.model else None
         self.plot_path: Path | None = None  # the reward curve, once drawn
         self.step = 0
@@ -186,6 +191,7 @@ class SplitController:
         state = self.data.state_dict()
         rows = self.data.next_batch(cfg.run.prompts_per_step)
         scored_there = self.reward_model_path is not None and cfg.run.pools.reward_model == "rollout"
+        scored_there = scored_there or cfg.agent.enabled(None if cfg.data.path else cfg.data.task)  # rows: episodes'
         per_rank = []
         for j in range(pool.size):
             mine = rows[j::pool.size]
@@ -261,6 +267,7 @@ class SplitController:
             "rollout/tokens_per_s": gen_tokens / max(gen_seconds, 1e-9), "time/rollout": gen_seconds,
             # as the rollout workers report it: updates between the weights that generated the batch and these
             "rollout/staleness": self.step - min(r["version"] for r in results), **self.scorer.metrics,
+            **episode_metrics(rollouts),
         })
         if ref_logprobs:
             metrics["time/ref_logprobs"] = max(r.get("ref_seconds", 0.0) for r in results)

@@ -22,6 +22,7 @@ from ...reshard import Link, ReshardPlan, open_store, receive_weights, send_weig
 from ...rollout import Rollout, SamplingParams
 from ...train import TrainBatch
 from .. import checkpoint
+from ..agent import Agent
 from ..config import Config
 from ..engines import build_critic, build_policy, build_reference, build_reward_model, build_rollout
 from ..learner import Learner
@@ -161,6 +162,7 @@ class RolloutWorker(Worker):
         self.reference = build_reference(cfg, model_path, mesh=None) if cfg.run.pools.reference == "rollout" else None
         tokenizer = AutoTokenizer.from_pretrained(model_path)
         self.pad_id = tokenizer.pad_token_id or 0
+        self.agent = Agent.from_config(cfg, tokenizer, max_model_len=self.engine.max_model_len)
         self.scorer = None
         if reward_model_path and cfg.run.pools.reward_model == "rollout":
             model = build_reward_model(cfg, reward_model_path, self.engine.device, torch.float32)
@@ -179,7 +181,8 @@ class RolloutWorker(Worker):
         here (`rows`: the prompts' rows, for the reward model)."""
         gdist.heartbeat()
         start = time.perf_counter()
-        rollouts = self.engine.generate(prompts, sampling)
+        rollouts = (self.agent.run(self.engine.generate, rows, prompts, sampling) if self.agent is not None
+                    else self.engine.generate(prompts, sampling))
         out: dict[str, Any] = {"rollouts": rollouts, "seconds": time.perf_counter() - start, "version": self.version}
         if self.reference is not None:
             start = time.perf_counter()
