@@ -55,6 +55,7 @@ HOW: dict[str, tuple[str, str]] = {
     "gearshift bench rollout --backends hf,vllm": ("run", "vllm"),
     "gearshift bench train --backends torch,fsdp": ("run", "fsdp"),
     "gearshift bench switch --share off": ("parse", "an option of the bench command above"),
+    "gearshift bench step": ("parse", "the bench command above, named in the TRL comparison"),
     "gearshift bench switch --lora-r 8": ("parse", "an option of the bench command above"),
     "torchrun --nproc_per_node 2 -m gearshift bench train --backends fsdp --seq-len 2048 --mesh dp=2 --mesh sp=2": (
         "test", "packages/backend-fsdp/tests/test_parallel.py"

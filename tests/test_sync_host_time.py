@@ -3,7 +3,6 @@ where host work dominates as it does on a GPU, a sync from fsdp into hf takes at
 copy of the same tensors (`torch._foreach_copy_`), measured in the same run. A sync that unwraps each DTensor,
 checks each weight's placement again or builds each slice anew on every switch takes 10x or more."""
 
-import statistics
 import time
 
 import torch
@@ -12,18 +11,20 @@ from gearshift import HybridActor, registry
 from gearshift.models import resolve_model
 from gearshift.reshard import StreamingResharder, export_weights
 
-#: sync / one batched copy of the same tensors: 3x measured on 2 cores (10-12x before the sync's per-tensor
+#: sync / one batched copy of the same tensors, the fastest of 30 each: 3-4x measured on 2 cores (10-12x before the sync's per-tensor
 #: work was done once per plan); the margin is for busy machines
 RATIO = 6.0
 
 
-def _median(fn, n=30) -> float:
+def _best(fn, n=30) -> float:
+    """The fastest of `n` calls: its own cost, without the time other processes took the core (a session's
+    Ray cluster, say), which lengthens the host-bound sync more than the memory-bound copy."""
     times = []
     for _ in range(n):
         t0 = time.perf_counter()
         fn()
         times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    return min(times)
 
 
 def test_a_syncs_host_work_per_tensor_is_a_small_multiple_of_one_batched_copy():
@@ -39,7 +40,7 @@ def test_a_syncs_host_work_per_tensor_is_a_small_multiple_of_one_batched_copy():
             sync()
         full = {k: v.detach().clone() for b in export_weights(train, actor.plan.dst) for k, v in b.items()}
         src, dst = list(full.values()), [torch.empty_like(v) for v in full.values()]
-        sync_s, copy_s = _median(sync), _median(lambda: torch._foreach_copy_(dst, src))
+        sync_s, copy_s = _best(sync), _best(lambda: torch._foreach_copy_(dst, src))
         print(f"sync {sync_s * 1e3:.2f} ms, one batched copy {copy_s * 1e3:.2f} ms: {sync_s / copy_s:.1f}x, "
               f"{(sync_s - copy_s) / 290 * 1e6:.1f} us of host work per tensor")
         assert sync_s <= RATIO * copy_s, f"sync {sync_s * 1e3:.2f} ms is over {RATIO}x one batched copy"
