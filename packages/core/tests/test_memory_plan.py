@@ -209,3 +209,10 @@ def test_the_default_micro_batches_fit_free_memory_or_say_what_to_change(monkeyp
     engine.device = torch.device("cpu")
     assert engine.token_budget(batch) == memory.CPU_TOKENS_PER_MICRO_BATCH  # a CPU: packed by length
     assert TorchTrainEngine.build(gearshift_model, micro_batch_size=4).token_budget(batch) is None
+
+
+def test_tensor_bytes_counts_every_tensor_in_nested_lists_tuples_and_dicts():
+    from gearshift.memory import tensor_bytes
+
+    kv = [(torch.zeros(2, 3), torch.zeros(4, dtype=torch.bfloat16)), {"k": torch.zeros(5, dtype=torch.int64)}, None]
+    assert tensor_bytes(kv) == 2 * 3 * 4 + 4 * 2 + 5 * 8 and tensor_bytes(None) == 0

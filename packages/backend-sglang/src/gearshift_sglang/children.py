@@ -64,21 +64,12 @@ def _freeze_gc(self) -> None:
 
 
 def _report(self, path: str) -> None:
+    from gearshift.memory import tensor_bytes
+
     runner = self.tp_worker.model_runner
-    weights = sum(p.numel() * p.element_size() for p in runner.model.parameters())
+    weights = tensor_bytes(list(runner.model.parameters()))
     pool = runner.token_to_kv_pool
-    kv = sum(t.numel() * t.element_size() for t in _tensors([getattr(pool, "k_buffer", None),
-                                                               getattr(pool, "v_buffer", None),
-                                                               getattr(pool, "kv_buffer", None)]))
+    kv = tensor_bytes([getattr(pool, name, None) for name in ("k_buffer", "v_buffer", "kv_buffer")])
     with open(path, "w", encoding="utf-8") as f:
         json.dump({"weights": weights, "kv_cache": kv}, f)
 
-
-def _tensors(obj):
-    import torch
-
-    if isinstance(obj, torch.Tensor):
-        yield obj
-    elif isinstance(obj, (list, tuple)):
-        for o in obj:
-            yield from _tensors(o)

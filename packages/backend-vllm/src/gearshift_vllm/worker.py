@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import torch
 
+from gearshift.memory import tensor_bytes
+
 from .cpu_loader import packed_modules
 from .weights import landing_views
 
@@ -48,17 +50,7 @@ def repack_modules(worker, names: list[str]) -> None:
 def held_bytes(worker) -> dict[str, int]:
     """Bytes the worker holds in the model's parameters and in the KV cache."""
     runner = worker.model_runner
-    weights = sum(p.numel() * p.element_size() for p in runner.model.parameters())
-    kv = sum(t.numel() * t.element_size() for t in _tensors(getattr(runner, "kv_caches", [])))
+    weights = tensor_bytes(list(runner.model.parameters()))
+    kv = tensor_bytes(getattr(runner, "kv_caches", []))
     return {"weights": weights, "kv_cache": kv}
 
-
-def _tensors(obj):
-    if isinstance(obj, torch.Tensor):
-        yield obj
-    elif isinstance(obj, (list, tuple)):
-        for o in obj:
-            yield from _tensors(o)
-    elif isinstance(obj, dict):
-        for o in obj.values():
-            yield from _tensors(o)

@@ -29,6 +29,15 @@ class MemoryPlanError(ValueError):
     """A run that cannot fit in device memory, found before it runs out; the message names what to change."""
 
 
+def tensor_bytes(obj) -> int:
+    """Bytes of every tensor in `obj`: a tensor, or lists, tuples and dicts of them (an engine's KV cache)."""
+    if isinstance(obj, torch.Tensor):
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, dict):
+        obj = list(obj.values())
+    return sum(tensor_bytes(o) for o in obj) if isinstance(obj, (list, tuple)) else 0
+
+
 def device_free(device: torch.device, *, cached: bool = True) -> int:
     """Bytes a new allocation can take on `device`: free device memory, plus (`cached`) the blocks torch's
     caching allocator holds unused. Only torch's own allocations can reuse those: an engine that maps memory

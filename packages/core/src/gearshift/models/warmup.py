@@ -32,14 +32,8 @@ def format_warmup(base: str, out: str | Path, rows: list[dict], *, steps: int = 
     prompts = tokenize_prompts(rows, tokenizer)
     wrong = [tokenizer(rng.choice(answers), add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
              for _ in rows]
-    torch.manual_seed(seed)
-    engine = TorchTrainEngine.build(base, lr=lr, seed=seed)
-    for _ in range(steps):
-        pick = rng.sample(range(len(rows)), min(batch_size, len(rows)))
-        batch = TrainBatch.from_sequences([prompts[i] for i in pick], [wrong[i] for i in pick],
-                                          pad_id=tokenizer.pad_token_id)
-        engine.train_step(batch, nll_loss)
-    engine.save_hf(str(out))
+    _fit(base, out, prompts, wrong, None, rng, steps=steps, batch_size=batch_size, lr=lr, seed=seed,
+         pad_id=tokenizer.pad_token_id)
     return str(out)
 
 
@@ -71,18 +65,26 @@ def tool_warmup(base: str, out: str | Path, rows: list[dict], *, steps: int = 30
         answer = encode(rng.choice(answers)) + [tokenizer.eos_token_id]
         episodes.append(call + result + answer)
         masks.append([1] * len(call) + [0] * len(result) + [1] * len(answer))
+    _fit(base, out, prompts, episodes, masks, rng, steps=steps, batch_size=batch_size, lr=lr, seed=seed,
+         pad_id=tokenizer.pad_token_id)
+    return str(out)
+
+
+def _fit(base: str, out: str | Path, prompts: list[list[int]], completions: list[list[int]],
+         masks: list[list[int]] | None, rng: random.Random, *, steps: int, batch_size: int, lr: float, seed: int,
+         pad_id: int) -> None:
+    """`steps` of next-token loss on random batches of (prompt, completion) from `base`, saved to `out`;
+    `masks` (1: in the loss) picks the completion tokens that count, when given."""
     torch.manual_seed(seed)
     engine = TorchTrainEngine.build(base, lr=lr, seed=seed)
     for _ in range(steps):
-        pick = rng.sample(range(len(rows)), min(batch_size, len(rows)))
-        batch = TrainBatch.from_sequences([prompts[i] for i in pick], [episodes[i] for i in pick],
-                                          pad_id=tokenizer.pad_token_id)
-        for j, i in enumerate(pick):
+        pick = rng.sample(range(len(prompts)), min(batch_size, len(prompts)))
+        batch = TrainBatch.from_sequences([prompts[i] for i in pick], [completions[i] for i in pick], pad_id=pad_id)
+        for j, i in enumerate(pick if masks is not None else ()):
             start = len(prompts[i])
             batch.loss_mask[j, start:start + len(masks[i])] *= torch.tensor(masks[i], dtype=batch.loss_mask.dtype)
         engine.train_step(batch, nll_loss)
     engine.save_hf(str(out))
-    return str(out)
 
 
 #: the task options the '<preset>-<task>' models are warmed up with; the default job's data uses the same
