@@ -124,7 +124,7 @@ def load_reward(spec: Any, **options: Any) -> Reward:
     where, sep, fn_name = spec.rpartition(":")
     if not sep or not where or not fn_name:
         raise RewardError(f"reward {spec!r} must be 'module:function' or 'path/to/file.py:function'")
-    module = _load_file(where, spec) if _is_path(where) else _import(where, spec)
+    module = module_of(where, spec)
     if not hasattr(module, fn_name):
         offered = public_functions(module)
         raise RewardError(f"reward {spec!r}: {where} has no function {fn_name!r}; "
@@ -135,14 +135,20 @@ def load_reward(spec: Any, **options: Any) -> Reward:
     return Reward(fn, name=spec, **options)
 
 
+def module_of(where: str, spec: str, what: str = "reward", error: type[Exception] = RewardError):
+    """The module the `where` part of a 'where:name' spec names: a file path, or a module to import. A
+    failure raises `error`, naming the spec as a `what` (a reward; the agent's loader: a tool, an environment)."""
+    return (_load_file if _is_path(where) else _import)(where, spec, what, error)
+
+
 def _is_path(where: str) -> bool:
     return where.endswith(".py") or "/" in where or "\\" in where
 
 
-def _load_file(where: str, spec: str):
+def _load_file(where: str, spec: str, what: str = "reward", error: type[Exception] = RewardError):
     path = Path(where).expanduser().resolve()
     if not path.is_file():
-        raise RewardError(f"reward {spec!r}: file {where} not found (looked at {path})")
+        raise error(f"{what} {spec!r}: file {where} not found (looked at {path})")
     # a stable, unique module name, registered so that pickling and dataclasses in the file work
     name = f"gearshift_reward_{path.stem}_{hashlib.sha1(str(path).encode()).hexdigest()[:8]}"
     loader_spec = importlib.util.spec_from_file_location(name, path)
@@ -152,20 +158,20 @@ def _load_file(where: str, spec: str):
         loader_spec.loader.exec_module(module)
     except Exception as err:
         del sys.modules[name]
-        raise RewardError(f"reward {spec!r}: importing {where} failed: {type(err).__name__}: {err}") from err
+        raise error(f"{what} {spec!r}: importing {where} failed: {type(err).__name__}: {err}") from err
     return module
 
 
-def _import(where: str, spec: str):
+def _import(where: str, spec: str, what: str = "reward", error: type[Exception] = RewardError):
     try:
         return importlib.import_module(where)
     except ModuleNotFoundError as err:
         if err.name and where.startswith(err.name):
-            raise RewardError(f"reward {spec!r}: no module named {where!r}; install it, or name a file "
-                              f"as path/to/file.py:function") from err
-        raise RewardError(f"reward {spec!r}: importing {where} failed: {err}") from err
+            raise error(f"{what} {spec!r}: no module named {where!r}; install it, or name a file "
+                        f"as path/to/file.py:function") from err
+        raise error(f"{what} {spec!r}: importing {where} failed: {err}") from err
     except Exception as err:
-        raise RewardError(f"reward {spec!r}: importing {where} failed: {type(err).__name__}: {err}") from err
+        raise error(f"{what} {spec!r}: importing {where} failed: {type(err).__name__}: {err}") from err
 
 
 def combine_rewards(weighted: Mapping[Any, float] | Iterable[tuple[Any, float]]) -> Reward:

@@ -17,7 +17,7 @@ import typing
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from ..rewards import _import, _is_path, _load_file, public_functions
+from ..rewards import module_of, public_functions
 
 
 class ToolError(ValueError):
@@ -94,18 +94,13 @@ class Tool:
 
 def load_object(spec: str, what: str):
     """The object a 'module:name' or 'path/to/file.py:name' string names (`what` names it in errors)."""
-    from ..rewards import RewardError
-
     if not isinstance(spec, str):
         raise ToolError(f"{what} must be a 'module:name' or 'path/to/file.py:name' string, got "
                         f"{type(spec).__name__}")
     where, sep, name = spec.rpartition(":")
     if not sep or not where or not name:
         raise ToolError(f"{what} {spec!r} must be 'module:name' or 'path/to/file.py:name'")
-    try:
-        module = _load_file(where, spec) if _is_path(where) else _import(where, spec)
-    except RewardError as err:  # the reward loader's messages say "reward"; these are tools or environments
-        raise ToolError(str(err).replace("reward ", f"{what} ", 1)) from err
+    module = module_of(where, spec, what, ToolError)
     if not hasattr(module, name):
         offered = public_functions(module) + sorted(k for k, v in vars(module).items()
                                                     if inspect.isclass(v) and not k.startswith("_"))
