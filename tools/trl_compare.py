@@ -68,14 +68,21 @@ def write_job(out: Path, seed: int, steps: int, engines: str, extra: list[str]) 
     return job, overrides
 
 
-def watch(path: Path, seen: list[float], count: int) -> int:
-    """Record the arrival time of each new line of a jsonl file; returns how many lines it has."""
-    if not path.exists():
-        return count
-    lines = path.read_text().splitlines()
-    for _ in lines[count:]:
-        seen.append(time.time())
-    return len(lines)
+def watch(path: Path, seen: list[float], size: int) -> int:
+    """Record the arrival time of each new line of a jsonl file; returns the bytes read so far. Reads only
+    what was appended (the poller shares the cores with the two runs it times)."""
+    try:
+        grown = path.stat().st_size > size
+    except FileNotFoundError:
+        return size
+    if not grown:
+        return size
+    with path.open("rb") as f:
+        f.seek(size)
+        new = f.read()
+    whole = new[:new.rfind(b"\n") + 1]  # a line still being written waits for the next poll
+    seen.extend(time.time() for _ in range(whole.count(b"\n")))
+    return size + len(whole)
 
 
 def cores_used(pid: int, seen: set[int]) -> None:
@@ -115,16 +122,16 @@ def run_pair(out: Path, seed: int, steps: int, engines: str, trl_python: str, ex
     procs = {"gearshift": subprocess.Popen(gs_cmd, env=env, stdout=logs["gearshift"], stderr=subprocess.STDOUT),
              "trl": subprocess.Popen(trl_cmd, env=env, stdout=logs["trl"], stderr=subprocess.STDOUT)}
     gs_ends: list[float] = []
-    count, polls = 0, 0
+    read, polls = 0, 0
     cores: dict[str, set[int]] = {name: set() for name in procs}
     while any(p.poll() is None for p in procs.values()):
-        count = watch(gs_dir / "metrics.jsonl", gs_ends, count)
+        read = watch(gs_dir / "metrics.jsonl", gs_ends, read)
         if polls % 250 == 249:  # every 5 s, from 5 s on (taskset has set the affinity by then)
             for name, p in procs.items():
                 cores_used(p.pid, cores[name])
         polls += 1
         time.sleep(0.02)
-    watch(gs_dir / "metrics.jsonl", gs_ends, count)
+    watch(gs_dir / "metrics.jsonl", gs_ends, read)
     for name, p in procs.items():
         if p.returncode:
             tail = (out / f"{name}-{seed}.log").read_text()[-3000:]
