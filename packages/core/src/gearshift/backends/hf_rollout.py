@@ -11,6 +11,7 @@ first rank's).
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, replace
 from typing import Iterable, Sequence
 
@@ -68,6 +69,14 @@ class HFRolloutEngine(RolloutEngine):
         """Fork the host's generators (CPU, and this engine's GPU): what happens inside leaves them as they were."""
         return torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else [])
 
+    @contextlib.contextmanager
+    def _own_generators(self):
+        """Inside, torch draws from the engine's own generators, which move on; the host's are put back after."""
+        with self._generators():
+            self._set_rng_state(self._own_rng)
+            yield
+            self._own_rng = self._rng_state()
+
     def _rng_state(self) -> tuple[torch.Tensor, torch.Tensor | None]:
         cuda = torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else None
         return torch.random.get_rng_state(), cuda
@@ -92,11 +101,9 @@ class HFRolloutEngine(RolloutEngine):
         import torch.distributed as dist
 
         seed = sampling.seed
-        if seed is None:  # drawn from the engine's own generator, which moves on; the host's stays as it was
-            with self._generators():
-                self._set_rng_state(self._own_rng)
+        if seed is None:
+            with self._own_generators():
                 seed = int(torch.randint(2**62, ()))
-                self._own_rng = self._rng_state()
         mine = [seed, prompts, sampling]
         box = list(mine)
         dist.broadcast_object_list(box, group=self._tp_group, group_src=0)
@@ -140,14 +147,10 @@ class HFRolloutEngine(RolloutEngine):
             kwargs.update(stop_strings=list(sampling.stop), tokenizer=self.tokenizer)
         # the host's generators are left as they were: a seeded call repeats exactly, an unseeded one draws
         # from the engine's own generators, which move on
-        with self._generators():
-            if sampling.seed is None:
-                self._set_rng_state(self._own_rng)
-            else:
+        with self._own_generators() if sampling.seed is None else self._generators():
+            if sampling.seed is not None:
                 torch.manual_seed(sampling.seed)
             result = self.model.generate(**kwargs)
-            if sampling.seed is None:
-                self._own_rng = self._rng_state()
         new = result.sequences[:, width:].cpu()
         logp = torch.log_softmax(torch.stack(result.logits, dim=1).float(), dim=-1).cpu()
         picked = logp.gather(-1, new[:, :, None]).squeeze(-1)
