@@ -28,8 +28,10 @@ import time
 from pathlib import Path
 
 MODELS = {"0.5b": "qwen2-0.5b", "1.5b": "qwen2-1.5b", "7b": "qwen2-7b"}
-#: seconds a cell is expected to need per step, by model and answer length (for --budget-s)
-STEP_S = {"0.5b": 2.0, "1.5b": 4.0, "7b": 18.0}
+#: seconds a step is expected to need beside decoding, by model, and per answer token decoded (for --budget-s;
+#: seen on one H200 with 256 samples a step and vLLM in eager mode: 0.5B at 1024 tokens 30 s, 7B at 256 13 s)
+STEP_S = {"0.5b": 4.0, "1.5b": 5.0, "7b": 7.0}
+TOKEN_S = 0.025
 
 
 def parse_cell(cell: str) -> dict:
@@ -90,19 +92,21 @@ def main() -> int:
     p.add_argument("--budget-s", type=float, default=0, help="start no cell that would not end in this time")
     p.add_argument("--out", default="runs/scenario")
     p.add_argument("--model", help="run every cell on this model instead (a dry run on a CPU: --model small)")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="one more run-config override for every cell (repeatable), e.g. rollout.options=...")
     args = p.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     start, results, skipped = time.time(), [], []
     for cell in [parse_cell(c) for c in args.cells.split(",") if c]:
-        need = 60 + args.steps * STEP_S[cell["model"]] * max(1.0, cell["tokens"] / 256)
+        need = 60 + args.steps * (STEP_S[cell["model"]] + TOKEN_S * cell["tokens"])
         if args.budget_s and time.time() - start + need > args.budget_s:
             skipped.append(cell["cell"])
             continue
         run_dir = out / cell["cell"]
         t0 = time.time()
         proc = subprocess.run([sys.executable, "-m", "gearshift", "train",
-                               *overrides(cell, args.steps, run_dir, args.prompts, args.n, args.model)],
+                               *overrides(cell, args.steps, run_dir, args.prompts, args.n, args.model), *args.set],
                               capture_output=True, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
         (out / f"{cell['cell']}.log").write_text(proc.stdout + proc.stderr)
         path = run_dir / "metrics.jsonl"

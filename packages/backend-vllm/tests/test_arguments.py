@@ -37,6 +37,13 @@ def test_gpu_sleeps_and_takes_its_share_of_memory_unless_given_bytes():
     assert arguments(options=VLLMOptions(kv_cache_bytes=1 << 20), on_gpu=True)["kv_cache_memory_bytes"] == 1 << 20
 
 
+def test_cuda_graphs_on_a_gpu_and_eager_on_a_cpu_unless_the_option_says():
+    assert arguments(on_gpu=True)["enforce_eager"] is False
+    assert arguments(on_gpu=False)["enforce_eager"] is True
+    assert arguments(options=VLLMOptions(enforce_eager=True), on_gpu=True)["enforce_eager"] is True
+    assert arguments(options=VLLMOptions(enforce_eager=False), on_gpu=False)["enforce_eager"] is False
+
+
 def test_engine_kwargs_go_last_and_as_they_are():
     kwargs = arguments(options=VLLMOptions(engine_kwargs={"enforce_eager": False, "swap_space": 0}))
     assert kwargs["enforce_eager"] is False and kwargs["swap_space"] == 0

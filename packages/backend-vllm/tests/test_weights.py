@@ -157,3 +157,24 @@ def test_a_uniform_tensor_lands_directly_only_beside_siblings_that_verified():
     checkpoint = [("a.qkv.weight", weight), ("a.qkv.bias", torch.zeros(6)), ("a.norm.weight", torch.ones(4)),
                   ("b.proj.weight", weight), ("b.proj.bias", torch.zeros(6))]
     assert set(verified_landing(served, checkpoint)) == {"a.norm.weight", "b.proj.weight", "b.proj.bias"}
+
+
+def test_the_prefix_cache_is_dropped_once_after_generation_however_often_it_is_asked(engine, original):
+    calls = []
+    reset = engine._llm.reset_prefix_cache
+    engine._llm.reset_prefix_cache = lambda *a, **k: calls.append(1) or reset(*a, **k)
+    try:
+        engine.generate([PROMPTS[0]], GREEDY)
+        engine.update_weights(as_buckets(perturbed(original), engine.device))  # drops what the old weights cached
+        engine.reset_cache()  # the switch's own reset, right after the sync: nothing was cached since
+        assert len(calls) == 1
+        changed = engine.generate([PROMPTS[0]], GREEDY)
+        engine.update_weights(as_buckets(original, engine.device))
+        assert len(calls) == 2
+        # what was cached with the perturbed weights is gone: the same prompt gives the original's answer again
+        again = engine.generate([PROMPTS[0]], GREEDY)
+        engine.update_weights(as_buckets(perturbed(original), engine.device))
+        assert engine.generate([PROMPTS[0]], GREEDY)[0].token_ids == changed[0].token_ids
+        assert len(calls) == 3 and again
+    finally:
+        del engine._llm.reset_prefix_cache

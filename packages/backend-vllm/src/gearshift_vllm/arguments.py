@@ -34,7 +34,8 @@ class VLLMOptions:
     sleep_level: int = option(2, "GPU sleep: 2 discards the weights (the next sync refills them), 1 keeps a "
                                  "host copy (always 1 when serving adapters)", choices=(1, 2))
     enable_prefix_caching: bool = option(True, "reuse keys and values of shared prompt prefixes")
-    enforce_eager: bool = option(True, "no CUDA graphs / torch.compile (fast start)")
+    enforce_eager: bool | None = option(None, "no CUDA graphs / torch.compile: a faster start, slower decoding "
+                                              "(None: eager on a CPU, CUDA graphs on a GPU)")
     num_threads: int | None = option(None, "torch threads while vLLM runs (None: OMP_NUM_THREADS, else 1)")
     cpu_weights: str = option("auto", "CPU weight layout: plain (written in place), packed (oneDNN, re-packed "
                                       "each sync), auto (plain for float32)", choices=("auto", "plain", "packed"))
@@ -60,7 +61,8 @@ def engine_arguments(args: RolloutArgs, options, *, tp: int, world_size: int, on
     """
     kwargs: dict[str, Any] = dict(
         model=args.model, dtype=args.dtype, seed=args.seed, max_model_len=args.max_model_len,
-        enforce_eager=options.enforce_eager, enable_prefix_caching=options.enable_prefix_caching,
+        enforce_eager=not on_gpu if options.enforce_eager is None else options.enforce_eager,
+        enable_prefix_caching=options.enable_prefix_caching,
         tensor_parallel_size=tp,
         # logprobs of the model's own distribution, before temperature, top-k and top-p
         logprobs_mode="raw_logprobs",

@@ -120,6 +120,7 @@ class VLLMRolloutEngine(RolloutEngine):
         self._wake_together: set[str] = set()  # released as a side effect: woken with the next wake
         self._lora_request = None  # the adapter served on top of the base weights (load_adapter)
         self._base_replaced = False  # update_weights wrote over the model the engine was built from
+        self._prefixes = False  # generate ran since the prefix cache was last dropped
         self._adapter_dir: Path | None = None
 
     def _start(self, config) -> None:
@@ -189,6 +190,7 @@ class VLLMRolloutEngine(RolloutEngine):
         self.check_prompts(prompts, sampling, self._vocab_size)
         requests = [{"prompt_token_ids": [int(t) for t in p]} for p in prompts]
         params = [vllm_sampling(self._vllm, sampling, i, self.max_model_len - len(p)) for i, p in enumerate(prompts)]
+        self._prefixes = True
         with self._calling_vllm(), self._own_rng():
             outputs = self._llm.generate(requests, params, use_tqdm=False, lora_request=self._lora_request)
         rollouts = []
@@ -322,7 +324,12 @@ class VLLMRolloutEngine(RolloutEngine):
         return adapter.nbytes
 
     def reset_cache(self) -> None:
-        self._llm.reset_prefix_cache()
+        """Drop the cached prefixes, if any were cached since they were last dropped. vLLM's reset walks every
+        KV-cache block whether it holds a prefix or not (11-12 ms at the 0.5B shape on one H200, 2 ms at 7B),
+        so the sync's reset and the switch's own, back to back, cost one."""
+        if self._prefixes:
+            self._llm.reset_prefix_cache()
+            self._prefixes = False
 
     # --- memory -----------------------------------------------------------------------------
     def sleep(self, tags: Sequence[str] = ROLLOUT_TAGS) -> None:

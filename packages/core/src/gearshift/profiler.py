@@ -13,7 +13,7 @@ import time
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Iterator
+from typing import Iterator, Sequence
 
 import torch
 
@@ -196,10 +196,30 @@ def median_report(reports: list[SwitchReport]) -> SwitchReport:
 
 
 def peak_memory_bytes() -> int:
-    """The CUDA allocator's high-water mark, or the process's resident-set high-water mark."""
+    """The CUDA allocator's high-water mark, or the process's resident-set high-water mark.
+
+    Beside an engine that maps memory through a pool of its own (vLLM's sleep mode), torch's figure also
+    counts the pool's address space while it holds no memory: `step_peak_bytes` gives what the device held."""
     if torch.cuda.is_available():
         return torch.cuda.max_memory_allocated()
     return proc_status_bytes("VmHWM")
+
+
+def device_used_bytes() -> int | None:
+    """Memory in use on the current CUDA device now, by every process and allocator (what nvidia-smi shows);
+    None without CUDA."""
+    if not torch.cuda.is_available():
+        return None
+    free, total = torch.cuda.mem_get_info()
+    return int(total - free)
+
+
+def step_peak_bytes(samples: Sequence[int | None]) -> int:
+    """A step's memory high point: on a GPU the highest of `samples` (`device_used_bytes()` taken at the ends
+    of the step's phases, where torch's cache still holds each phase's peak); on a CPU the process's
+    resident-set high-water mark."""
+    used = [s for s in samples if s is not None]
+    return max(used) if used else peak_memory_bytes()
 
 
 def pyplot():

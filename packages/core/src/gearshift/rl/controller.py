@@ -25,7 +25,7 @@ from .engines import (
     build_critic, build_policy, build_reference, build_resharder, build_reward_model, build_rollout, check_context,
 )
 from ..hybrid import HybridActor
-from ..profiler import peak_memory_bytes
+from ..profiler import device_used_bytes, step_peak_bytes
 from .agent import Agent, episode_metrics
 from .learner import Learner
 from .metrics import MetricsLogger, plot_rewards
@@ -150,6 +150,7 @@ class Controller:
         switch_in = self.actor.to_rollout()
         with timed("rollout"):
             rollouts = self._generate(rows, prompts, sampling)
+        used = [device_used_bytes()]
         switch_out = self.actor.to_train()
         train_rows, train_rollouts = self.shares.to_train(rows, rollouts)
         with timed("reward"):
@@ -160,6 +161,7 @@ class Controller:
         if gdist.all_ranks(bool(kept)):
             metrics.update(self.learner.learn(kept, rewards, self.step, timed))
             metrics["train/skipped"] = 0.0
+            used.append(device_used_bytes())
         else:
             metrics["train/skipped"] = 1.0
             if self.rank == 0:
@@ -175,7 +177,7 @@ class Controller:
             # what the memory plan moved: train state to host memory, and whether the rollout engine slept
             "switch/offload_gb": sum(p.bytes for p in switch_in.phases if p.name.startswith("offload")) / 2**30,
             "switch/rollout_slept": float(switch_out.phase("sleep") is not None),
-            "memory/peak_gb": peak_memory_bytes() / 2**30, **times, **self.scorer.metrics,
+            "memory/peak_gb": step_peak_bytes(used) / 2**30, **times, **self.scorer.metrics,
             **episode_metrics(rollouts),
         })
         metrics = gdist.average_metrics(metrics)
