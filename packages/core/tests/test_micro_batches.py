@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from gearshift.backends.torch_train import TorchTrainEngine
-from gearshift.micro_batch import even_out, micro_batch_rows, select_micro_batches
+from gearshift.micro_batch import even_out, micro_batch_rows, select_micro_batches, sum_metrics
 from gearshift.rl.algos import TOKENS_PER_SEQ, make_policy_loss_fn, make_value_loss_fn, tokens_per_seq
 from gearshift.train import TrainBatch
 
@@ -159,3 +159,34 @@ def test_every_rank_runs_as_many_micro_batches_under_fsdp(gearshift_model, tmp_p
     assert proc.returncode == 0, out[-5000:]
     assert "rank 0: OK" in out and "rank 1: OK" in out, out[-3000:]
     assert "own plan 1" in out  # rank 1 alone would have run one micro-batch
+
+
+def test_a_micro_batchs_metrics_are_read_once_for_the_whole_step(gearshift_model, monkeypatch):
+    """Each loss metric stays a tensor until the step's end: reading one to the host in the loop would make
+    every micro-batch wait on the device before its backward is queued."""
+    batch = rl_batch()
+    loss_fn = make_policy_loss_fn("ppo_clip", entropy_coef=0.01)
+    _, metrics = loss_fn(TorchTrainEngine.build(gearshift_model).forward_logprobs(batch, with_entropy=True), batch)
+    assert all(isinstance(metrics[k], torch.Tensor) for k in ("pg_loss", "entropy", "clip_frac"))
+
+    reads = []
+    for name in ("__float__", "item"):
+        real = getattr(torch.Tensor, name)
+        monkeypatch.setattr(torch.Tensor, name, lambda t, *a, _real=real, **k: reads.append(1) or _real(t, *a, **k))
+
+    def count(**args):
+        reads.clear()
+        metrics, _ = step(gearshift_model, loss_fn, batch, **args)
+        return len(reads), metrics["micro_batches"]
+
+    whole, packed = count(), count(max_tokens_per_micro_batch=48)
+    assert packed[1] >= 4 * whole[1]
+    assert packed[0] == whole[0], f"{whole[0]} reads with one micro-batch, {packed[0]} with {packed[1]:.0f}"
+
+
+def test_metrics_of_micro_batches_sum_by_weight_and_maxima_skip_fillers():
+    seen = [("loss", torch.tensor(2.0), 0.25, True), ("ratio_max", torch.tensor(3.0), 0.25, True),
+            ("loss", 4.0, 0.75, True), ("ratio_max", torch.tensor(9.0), 0.0, False)]
+    assert sum_metrics(seen) == {"loss": 3.5, "ratio_max": 3.0}
+    assert sum_metrics([("x_max", torch.tensor(1.0), 0.0, False)]) == {"x_max": 0.0}  # fillers only
+    assert sum_metrics([]) == {}

@@ -5,10 +5,13 @@
 count what every rank of a sharded model must run (the most any rank has):
 the largest groups split in two, and fillers (None) where rows run out.
 `select_micro_batches` cuts the batch accordingly. None of them communicates;
-the engine finds the count over its ranks and passes it in.
+the engine finds the count over its ranks and passes it in. `sum_metrics` adds the
+micro-batches' metrics up once the last has run, reading them from the device at once.
 """
 
 from __future__ import annotations
+
+from typing import Any, Sequence
 
 import torch
 
@@ -55,4 +58,20 @@ def select_micro_batches(batch: TrainBatch, groups: list[torch.Tensor | None],
     return out
 
 
-__all__ = ["even_out", "micro_batch_rows", "select_micro_batches"]
+def sum_metrics(seen: Sequence[tuple[str, Any, float, bool]]) -> dict[str, float]:
+    """The batch's metrics from each micro-batch's (key, value, weight, real): a weighted sum, or for a key
+    ending in `_max` the largest over the real micro-batches (a filler's count as nothing; 0.0 when a rank has
+    fillers only). Values may be floats or tensors on a device: the tensors are read in one transfer."""
+    tensors = [v for _, v, _, _ in seen if isinstance(v, torch.Tensor)]
+    read = iter(torch.stack([t.detach().float().reshape(()) for t in tensors]).tolist() if tensors else [])
+    totals: dict[str, float] = {}
+    for key, value, weight, real in seen:
+        value = next(read) if isinstance(value, torch.Tensor) else float(value)
+        if key.endswith("_max"):  # an extreme over the micro-batches, not a weighted sum
+            totals[key] = max(totals.get(key, float("-inf")), value if real else float("-inf"))
+        else:
+            totals[key] = totals.get(key, 0.0) + value * weight
+    return {k: (0.0 if v == float("-inf") else v) for k, v in totals.items()}
+
+
+__all__ = ["even_out", "micro_batch_rows", "select_micro_batches", "sum_metrics"]

@@ -23,7 +23,7 @@ import os
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator, Sequence
+from typing import Any, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
@@ -31,7 +31,7 @@ import torch.distributed as dist
 from . import dist as gdist
 from .hf import load_causal_lm, tied_aliases, write_hf_folder
 from .lora import LoraWeights, add_lora, hf_name
-from .micro_batch import even_out, micro_batch_rows, select_micro_batches
+from .micro_batch import even_out, micro_batch_rows, select_micro_batches, sum_metrics
 from .offload import HostStash
 from .options import option
 from .policy import ValueHeadModel, position_ids
@@ -263,7 +263,7 @@ class ModuleTrainEngine(TrainEngine):
         self.need_onloaded(TRAIN_TAGS, "train")
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
-        totals: dict[str, float] = {}
+        seen: list[tuple[str, Any, float, bool]] = []  # (key, value, weight, a real micro-batch)
         computed = 0
         micro_batches = self.micro_batches(batch)
         for mb, rows in micro_batches:
@@ -274,12 +274,8 @@ class ModuleTrainEngine(TrainEngine):
             loss, metrics = loss_fn(out, mb.to(self.device))
             self.sharding.backward(loss * weight)
             computed += 0 if rows is None else mb.size * mb.width
-            for k, v in {"loss": float(loss.detach()), **metrics}.items():  # a filler adds its keys, at 0
-                if k.endswith("_max"):  # an extreme over the micro-batches, not a weighted sum
-                    totals[k] = max(totals.get(k, float("-inf")), float(v) if rows is not None else float("-inf"))
-                else:
-                    totals[k] = totals.get(k, 0.0) + float(v) * weight
-        totals = {k: (0.0 if v == float("-inf") else v) for k, v in totals.items()}  # a rank of fillers only
+            seen += [(k, v, weight, rows is not None) for k, v in {"loss": loss.detach(), **metrics}.items()]
+        totals = sum_metrics(seen)
         totals["grad_norm"] = self.sharding.clip_and_step(list(self.trained.values()), self.optimizer,
                                                          self.args.max_grad_norm)
         if not self.options.keep_grads:  # recomputed from zero at the next step: their memory is free till then

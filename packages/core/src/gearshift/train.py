@@ -148,7 +148,9 @@ class PolicyOutput:
     values: torch.Tensor | None = None  # [B, T], engines with a value head
 
 
-LossFn = Callable[[PolicyOutput, TrainBatch], "tuple[torch.Tensor, dict[str, float]]"]
+#: (policy output, micro-batch) -> (loss, metrics); a metric is a float or a 0-d tensor, which an engine may read
+#: after the last micro-batch (`float()` takes either), so that no micro-batch waits on the host
+LossFn = Callable[[PolicyOutput, TrainBatch], "tuple[torch.Tensor, dict[str, float | torch.Tensor]]"]
 
 
 def nll_loss(out: PolicyOutput, batch: TrainBatch) -> tuple[torch.Tensor, dict[str, float]]:

@@ -132,7 +132,7 @@ def make_policy_loss_fn(name: str = "ppo_clip", *, kl_coef: float = 0.0, kl_esti
         raise ValueError(f"kl_coef ({kl_coef}) and entropy_coef ({entropy_coef}) must be >= 0")
     use_kl = kl_in_loss and kl_coef > 0
 
-    def loss_fn(out: PolicyOutput, batch: TrainBatch) -> tuple[torch.Tensor, dict[str, float]]:
+    def loss_fn(out: PolicyOutput, batch: TrainBatch) -> tuple[torch.Tensor, dict[str, float | torch.Tensor]]:
         mask = batch.loss_mask.to(out.logprobs.device, out.logprobs.dtype)
         norm = batch.extras.get(TOKENS_PER_SEQ)
         logp = out.logprobs
@@ -143,16 +143,16 @@ def make_policy_loss_fn(name: str = "ppo_clip", *, kl_coef: float = 0.0, kl_esti
             token_losses = token_losses * _extra(batch, ROLLOUT_WEIGHTS, "").to(logp.dtype)
         pg_loss = aggregate(token_losses, mask, agg, norm)
         loss = pg_loss
-        metrics = {"pg_loss": float(pg_loss.detach()), **{k: float(v) for k, v in stats.items()}}
+        metrics = {"pg_loss": pg_loss.detach(), **{k: _kept(v) for k, v in stats.items()}}
         if "rollout_logprobs" in batch.extras:  # the rollout engine's logprobs beside the trainer's, as drawn
             with torch.no_grad():
                 gap = (logp.detach() - _extra(batch, "rollout_logprobs", "").to(logp.dtype)).abs() * mask
-                metrics["mismatch_mean"] = float(aggregate(gap, mask, "token_mean", norm))
-                metrics["mismatch_max"] = float(gap.max()) if gap.numel() else 0.0
+                metrics["mismatch_mean"] = aggregate(gap, mask, "token_mean", norm)
+                metrics["mismatch_max"] = gap.max() if gap.numel() else 0.0
         if use_kl or "ref_logprobs" in batch.extras:
             ref = _extra(batch, "ref_logprobs", "the reference model's logprobs, for the KL term")
             kl = aggregate(kl_estimate(logp, ref.to(logp.dtype), kl_estimator), mask, agg, norm)
-            metrics["kl"] = float(kl.detach())
+            metrics["kl"] = kl.detach()
             if use_kl:
                 loss = loss + kl_coef * kl
         if entropy_coef > 0 and out.entropy is None:
@@ -160,7 +160,7 @@ def make_policy_loss_fn(name: str = "ppo_clip", *, kl_coef: float = 0.0, kl_esti
                              "or use an engine that computes entropy in train_step")
         if out.entropy is not None:
             entropy = aggregate(out.entropy, mask, agg, norm)
-            metrics["entropy"] = float(entropy.detach())
+            metrics["entropy"] = entropy.detach()
             if entropy_coef > 0:
                 loss = loss - entropy_coef * entropy
         return loss, metrics
@@ -168,11 +168,17 @@ def make_policy_loss_fn(name: str = "ppo_clip", *, kl_coef: float = 0.0, kl_esti
     return loss_fn
 
 
+def _kept(value):
+    """A metric as the loss computed it: a tensor stays on its device (detached), so that the engine reads every
+    micro-batch's metrics in one transfer after the last, instead of waiting for each before its backward."""
+    return value.detach() if isinstance(value, torch.Tensor) else value
+
+
 def make_value_loss_fn(*, clip: float | None = 0.2, agg: str = "token_mean", coef: float = 1.0) -> LossFn:
     """A `LossFn` for a critic: reads `out.values` and extras `old_values` [B, T] and `returns` [B, T]."""
     check_aggregation(agg)
 
-    def loss_fn(out: PolicyOutput, batch: TrainBatch) -> tuple[torch.Tensor, dict[str, float]]:
+    def loss_fn(out: PolicyOutput, batch: TrainBatch) -> tuple[torch.Tensor, dict[str, float | torch.Tensor]]:
         if out.values is None:
             raise ValueError("the engine returned no values: train the critic on an engine with a value head")
         old = _extra(batch, "old_values", "the critic's values when the advantages were computed")
@@ -180,7 +186,7 @@ def make_value_loss_fn(*, clip: float | None = 0.2, agg: str = "token_mean", coe
         loss, stats = value_loss(out.values, old.to(out.values.dtype), returns.to(out.values.dtype),
                                  batch.loss_mask.to(out.values.device), clip=clip, agg=agg,
                                  tokens_per_seq=batch.extras.get(TOKENS_PER_SEQ))
-        metrics = {"vf_loss": float(loss.detach()), **{k: float(v) for k, v in stats.items()}}
+        metrics = {"vf_loss": loss.detach(), **{k: _kept(v) for k, v in stats.items()}}
         return coef * loss, metrics
 
     return loss_fn
