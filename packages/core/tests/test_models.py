@@ -52,3 +52,21 @@ def test_a_registered_task_names_models_of_every_preset(tmp_path, monkeypatch):
     for bad in ("rm", "gpt2", "two-parts", ""):
         with pytest.raises(ValueError, match="ambiguous"):
             models.register_task_models(bad, policy, reward)
+
+
+def test_a_trained_reward_model_must_say_what_its_training_depends_on(tmp_path):
+    """The recipe stamp is what tells a folder to reuse from one to build again: a fit without one would be
+    taken for the random model, and a recipe key of the model's own would hide it."""
+    import pytest
+
+    from gearshift.models import build_reward_model
+
+    def fit(model, tokenizer):
+        raise AssertionError("not reached")
+
+    with pytest.raises(ValueError, match="together"):
+        build_reward_model(tmp_path / "a", "tiny", train=fit)
+    with pytest.raises(ValueError, match="together"):
+        build_reward_model(tmp_path / "b", "tiny", recipe={"data": "x"})
+    with pytest.raises(ValueError, match=r"\['seed'\]"):
+        build_reward_model(tmp_path / "c", "tiny", train=fit, recipe={"seed": 1})

@@ -47,18 +47,20 @@ def build_reward_model(path: str | Path, preset: str = "tiny", arch: str = "qwen
                        train: Callable[[Any, Any], object] | None = None, recipe: dict | None = None) -> str:
     """Build (once; a folder with the same recipe is reused) a one-output sequence classifier with the
     preset's shape and the byte tokenizer; `train(model, tokenizer)`, when given, fits it before it is saved,
-    and `recipe` (JSON) says what that fit depends on, so that a different fit builds the folder again."""
+    and `recipe` (JSON, not empty) says what that fit depends on, so that another fit builds the folder again."""
     from transformers import AutoModelForSequenceClassification
 
     if preset not in PRESETS:
         raise ValueError(f"unknown preset {preset!r}; choose from {sorted(PRESETS)}")
-    if recipe is not None and train is None:
-        raise ValueError("a reward model's recipe describes its training: pass train= with it")
+    base = {"preset": preset, "arch": arch, "seed": seed, "v": 1}
+    if (train is None) != (not recipe):
+        raise ValueError("pass train= and recipe= together: the recipe says what the training depends on")
+    if set(base) & set(recipe or {}):
+        raise ValueError(f"recipe keys {sorted(set(base) & set(recipe))} are the model's own; name them otherwise")
     path = Path(path)
-    recipe = json.dumps({"preset": preset, "arch": arch, "seed": seed, "trained": recipe if train else None,
-                         "v": 2}, sort_keys=True)
+    wanted = json.dumps({**base, **(recipe or {})}, sort_keys=True)
     stamp = path / "gearshift-recipe.json"
-    if stamp.exists() and stamp.read_text() == recipe:
+    if stamp.exists() and stamp.read_text() == wanted:
         return str(path)
     path.mkdir(parents=True, exist_ok=True)
     tokenizer = build_tokenizer(path)
@@ -71,7 +73,7 @@ def build_reward_model(path: str | Path, preset: str = "tiny", arch: str = "qwen
         if train is not None:
             train(model, tokenizer)
     model.save_pretrained(str(path), safe_serialization=True)
-    stamp.write_text(recipe)
+    stamp.write_text(wanted)
     return str(path)
 
 
