@@ -290,8 +290,8 @@ def test_the_calc_and_guess_tasks_build_with_their_tools_and_environment():
 
 def test_the_tool_warmup_teaches_the_call_and_keeps_the_tools_answer_out_of_the_loss(gearshift_model, tmp_path,
                                                                                        tokenizer):
-    from gearshift.models.warmup import tool_warmup
     from gearshift.rl.tasks import make_task
+    from gearshift.rl.warmup import tool_warmup
 
     rows = make_task("calc", 64, seed=1)
     out = tool_warmup(gearshift_model, tmp_path / "m", rows, steps=2, batch_size=8)

@@ -5,10 +5,10 @@ import torch
 
 from gearshift import Trainer
 from gearshift.models import resolve_model
-from gearshift.models.reward import task_examples
-from gearshift.models.warmup import TASK_MODEL_OPTIONS
 from gearshift.rl.config import ConfigError, load_config
+from gearshift.rl.presets import task_examples
 from gearshift.rl.reward_model import RewardModel, RewardModelError, combine
+from gearshift.rl.warmup import TASK_MODEL_OPTIONS
 
 FAST = {"checkpoint_every": 0, "progress": False, "samples_per_step": 0, "tensorboard": False, "plot": False,
         "resume": "never"}

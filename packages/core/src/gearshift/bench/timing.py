@@ -10,7 +10,7 @@ from .. import dist as gdist
 
 def resolve_once(model: str) -> str:
     """The model's folder, built by rank 0 alone (transformers writes a model from the main process only)."""
-    from ..models import resolve_model
+    from ..rl import resolve_model  # gearshift.models' own, with the task models registered
 
     return gdist.broadcast_object(resolve_model(model) if gdist.rank() == 0 else None)
 

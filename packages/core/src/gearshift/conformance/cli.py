@@ -22,8 +22,7 @@ def conformance_command(args: argparse.Namespace) -> int:
 
     if not args.train and not args.rollout:
         raise ValueError("name a backend: --train NAME and/or --rollout NAME (see 'gearshift backends')")
-    from .. import registry
-
+    from .. import registry, rl  # noqa: F401 - rl registers the task models ('small-add', ...) with gearshift.models
     from ..models import known_model, unknown_model
 
     for kind, name in (("train", args.train), ("rollout", args.rollout)):

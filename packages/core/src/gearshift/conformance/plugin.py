@@ -128,7 +128,7 @@ def gearshift_model(request, gearshift_shared_tmp_root):
     `--gearshift-model` picks a folder or another preset ('tiny-gpt2', 'small', ...).
     """
     from .. import dist as gdist
-    from ..models import resolve_model
+    from ..rl import resolve_model  # gearshift.models' own, with the task models registered
 
     choice = request.config.getoption("--gearshift-model")
     if os.path.isdir(choice):

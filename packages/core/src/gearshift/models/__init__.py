@@ -1,10 +1,18 @@
-"""Models built locally, never downloaded: tiny random causal LMs of several architectures, and the
-format-warmed models of the built-in tasks.
+"""Models built locally, never downloaded: tiny random causal LMs of several architectures and random reward
+models, plus the task models that the RL loop registers here.
 
     path = resolve_model("tiny")         # a preset, built once under $GEARSHIFT_CACHE (~/.cache/gearshift)
     path = resolve_model("tiny-gpt2")    # the same size in another architecture
+    path = resolve_model("tiny-rm")      # a reward model of the 'tiny' shape, random weights
+
+    import gearshift.rl                  # registers the built-in tasks' models (`gearshift.rl.presets`):
     path = resolve_model("small-add")    # the 'small' preset after a format warm-up on the 'add' task
     path = resolve_model("tiny-add-rm")  # a reward model: the 'tiny' shape taught the 'add' task's reward
+
+This package knows nothing of the RL loop: a task's models are built by the
+code that knows the task, which hands its two builders to
+`register_task_models` when it is imported (`gearshift.rl` does so for its
+built-in tasks).
 """
 
 from __future__ import annotations
@@ -13,22 +21,48 @@ import contextlib
 import fcntl
 import hashlib
 import os
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
-from .reward import build_reward_model
+from .reward import build_reward_model, train_reward_model
 from .tiny import ARCHS, BF16_PRESETS, PRESETS, build_model, build_tokenizer
+
+#: (the folder to build in, the preset's name) -> the folder, built once (a folder of the same recipe is reused)
+Builder = Callable[[Path, str], str]
+
+
+@dataclass(frozen=True)
+class TaskModels:
+    """How one task's models are built from a preset: the causal LM '<preset>-<task>' and the reward model
+    '<preset>-<task>-rm'."""
+
+    policy: Builder
+    reward: Builder
+
+
+#: task name -> its builders, filled by `register_task_models`
+TASK_MODELS: dict[str, TaskModels] = {}
+
+
+def register_task_models(task: str, policy: Builder, reward: Builder) -> None:
+    """Make '<preset>-<task>' and '<preset>-<task>-rm' resolvable for every preset; registering a task again
+    replaces its builders."""
+    if not task or "-" in task or task in ARCHS or task == "rm":
+        raise ValueError(f"task name {task!r} would make model names ambiguous: it must be non-empty, without "
+                         f"'-', and neither 'rm' nor an architecture ({list(ARCHS)})")
+    TASK_MODELS[task] = TaskModels(policy, reward)
 
 
 def resolve_model(model: str, cache_dir: str | os.PathLike | None = None) -> str:
     """A model path as given, or a preset built on first use under the cache folder.
 
     Presets: 'tiny', 'small', 'bench100m', 'qwen2-0.5b' (random weights, Qwen2 architecture);
-    '<preset>-<arch>' for another architecture ('tiny-gpt2', 'tiny-llama', ...); and
-    '<preset>-<task>' such as 'small-add': the preset after a short format warm-up on a
-    built-in task (see `gearshift.models.warmup`). Reward models (`AutoModelForSequenceClassification`,
-    one output): '<preset>-rm' (random weights) and '<preset>-<task>-rm', taught to predict the
-    task's reward (see `gearshift.models.reward`).
+    '<preset>-<arch>' for another architecture ('tiny-gpt2', 'tiny-llama', ...); '<preset>-rm', a reward
+    model (`AutoModelForSequenceClassification`, one output) with random weights. Once a task has
+    registered its models (`register_task_models`; `import gearshift.rl` registers the built-in tasks):
+    '<preset>-<task>' such as 'small-add', the preset after a short format warm-up on the task, and
+    '<preset>-<task>-rm', a reward model taught to predict the task's reward (see `gearshift.rl.presets`).
     """
     if os.path.isdir(model):
         return model
@@ -54,8 +88,6 @@ def _only_builder(folder: Path) -> Iterator[None]:
 
 
 def _resolve_preset(model: str, folder: Path) -> str:
-    from ..rl.tasks import TASKS
-
     if model in PRESETS:
         return build_model(folder, preset=model, dtype="bfloat16" if model in BF16_PRESETS else "float32")
     preset, _, suffix = model.rpartition("-")
@@ -63,38 +95,35 @@ def _resolve_preset(model: str, folder: Path) -> str:
         base, _, task = preset.rpartition("-")
         if preset in PRESETS:
             return build_reward_model(folder, preset)
-        if base in PRESETS and task in TASKS:
-            from .warmup import TASK_MODEL_OPTIONS
-
-            return build_reward_model(folder, base, task=task, **TASK_MODEL_OPTIONS.get(task, {}))
+        if base in PRESETS and task in TASK_MODELS:
+            return TASK_MODELS[task].reward(folder, base)
     if preset in PRESETS and suffix in ARCHS:
         return build_model(folder, preset=preset, arch=suffix)
-    if preset in PRESETS and suffix in TASKS:
-        from .warmup import TASK_MODEL_OPTIONS, build_task_model
-
-        return build_task_model(folder, preset, suffix, **TASK_MODEL_OPTIONS.get(suffix, {}))
+    if preset in PRESETS and suffix in TASK_MODELS:
+        return TASK_MODELS[suffix].policy(folder, preset)
     raise ValueError(unknown_model(model))
 
 
 def known_model(model: str) -> bool:
     """Whether `resolve_model` takes `model` (a folder or a preset name), without building anything."""
-    from ..rl.tasks import TASKS
-
     if os.path.isdir(model) or model in PRESETS:
         return True
     preset, _, suffix = model.rpartition("-")
     if suffix == "rm":
         base, _, task = preset.rpartition("-")
-        return preset in PRESETS or (base in PRESETS and task in TASKS)
-    return preset in PRESETS and (suffix in ARCHS or suffix in TASKS)
+        return preset in PRESETS or (base in PRESETS and task in TASK_MODELS)
+    return preset in PRESETS and (suffix in ARCHS or suffix in TASK_MODELS)
 
 
 def unknown_model(model: str) -> str:
-    from ..rl.tasks import TASKS
-
+    """The error for a name `known_model` refuses: what there is, and, while no task has registered its
+    models, where the task models come from."""
+    tasks = (f"'<preset>-<task>' and '<preset>-<task>-rm' with a task from {sorted(TASK_MODELS)}" if TASK_MODELS else
+             "task models ('<preset>-<task>' such as 'small-add', '<preset>-<task>-rm') once the RL loop has "
+             "registered them: `import gearshift.rl` first, or use `gearshift.rl.resolve_model`")
     return (f"model {model!r} is neither a folder nor a preset; presets: {sorted(PRESETS)}, "
-            f"'<preset>-<arch>' with an architecture from {list(ARCHS)}, or '<preset>-<task>' with a task from "
-            f"{sorted(TASKS)}; reward models '<preset>-rm' and '<preset>-<task>-rm'")
+            f"'<preset>-<arch>' with an architecture from {list(ARCHS)}, reward models '<preset>-rm', and {tasks}")
 
 
-__all__ = ["ARCHS", "PRESETS", "build_model", "build_reward_model", "build_tokenizer", "known_model", "resolve_model"]
+__all__ = ["ARCHS", "PRESETS", "TASK_MODELS", "TaskModels", "build_model", "build_reward_model", "build_tokenizer",
+           "known_model", "register_task_models", "resolve_model", "train_reward_model", "unknown_model"]

@@ -4,8 +4,8 @@
     rm.score(["3+1="], ["4"])        # -> [0.98]
 
 The model is any `AutoModelForSequenceClassification` with one label in a
-local folder (`gearshift.models.build_reward_model` builds small ones). It
-runs on the training device in batches, and between uses its weights wait in
+local folder (the presets `tiny-rm` and `tiny-add-rm` are small ones). It runs
+on the training device in batches, and between uses its weights wait in
 host memory (`HostStash`, as a trainer's offloaded state does), so it takes
 no device memory while the rollout engine or the trainer needs it.
 

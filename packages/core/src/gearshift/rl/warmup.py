@@ -15,8 +15,8 @@ from pathlib import Path
 import torch
 
 from ..backends.torch_train import TorchTrainEngine
+from ..models.tiny import build_model
 from ..train import TrainBatch, nll_loss
-from .tiny import build_model
 
 
 def format_warmup(base: str, out: str | Path, rows: list[dict], *, steps: int = 40, batch_size: int = 64,
@@ -24,7 +24,7 @@ def format_warmup(base: str, out: str | Path, rows: list[dict], *, steps: int = 
     """Fine-tune `base` on `rows` with shuffled answers and save the result to `out` (a HF folder)."""
     from transformers import AutoTokenizer
 
-    from ..rl.data import tokenize_prompts
+    from .data import tokenize_prompts
 
     tokenizer = AutoTokenizer.from_pretrained(base)
     rng = random.Random(seed)
@@ -47,8 +47,8 @@ def tool_warmup(base: str, out: str | Path, rows: list[dict], *, steps: int = 30
     """
     from transformers import AutoTokenizer
 
-    from ..rl.agent.builtin import calc
-    from ..rl.data import tokenize_prompts
+    from .agent.builtin import calc
+    from .data import tokenize_prompts
 
     tokenizer = AutoTokenizer.from_pretrained(base)
     rng = random.Random(seed)
@@ -95,7 +95,7 @@ TOOL_WARMUPS = {"calc": tool_warmup}
 
 def build_task_model(path: str | Path, preset: str, task: str, *, seed: int = 0, **task_options) -> str:
     """The preset's random model after `format_warmup` on `task`, built once under `path`."""
-    from ..rl.tasks import make_task
+    from .tasks import make_task
 
     path = Path(path)
     done = path / "gearshift-warmup.done"
