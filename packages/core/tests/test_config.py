@@ -267,3 +267,12 @@ def test_switch_share_on_and_off_read_as_words_not_booleans(tmp_path):
     (tmp_path / "c.yaml").write_text("switch:\n  share: off\n")
     assert load_config(tmp_path / "c.yaml").switch.share == "off"
     assert build_config(None, {"switch": {"share": True}}).switch.share == "on"
+
+
+def test_an_unset_model_is_the_default_jobs_or_the_tool_tasks_own():
+    assert load_config(None, []).model.path == "small-add" == Config().model.path
+    assert load_config(None, ["data.task=calc"]).model.path == "small-calc"
+    assert build_config(None, {"data": {"task": "calc"}}).model.path == "small-calc"
+    assert load_config(None, ["data.task=calc", "model.path=tiny-calc"]).model.path == "tiny-calc"
+    assert load_config(None, ["data.task=reverse"]).model.path == "small-add"
+    assert load_config(None, ["data.task=calc", "data.path=rows.jsonl"]).model.path == "small-add"  # not the task's

@@ -10,6 +10,7 @@ often as chance. The RL job then has to learn the task itself.
 from __future__ import annotations
 
 import random
+import sys
 from pathlib import Path
 
 import torch
@@ -75,9 +76,13 @@ def _fit(base: str, out: str | Path, prompts: list[list[int]], completions: list
          pad_id: int) -> None:
     """`steps` of next-token loss on random batches of (prompt, completion) from `base`, saved to `out`;
     `masks` (1: in the loss) picks the completion tokens that count, when given."""
+    from tqdm import tqdm
+
     torch.manual_seed(seed)
     engine = TorchTrainEngine.build(base, lr=lr, seed=seed)
-    for _ in range(steps):
+    # built once per cache, but minutes long on a CPU: say what it is doing (on stderr, off when not a terminal)
+    for _ in tqdm(range(steps), desc=f"warming up {Path(out).name}", unit="step", leave=False,
+                  disable=None, mininterval=2.0):
         pick = rng.sample(range(len(prompts)), min(batch_size, len(prompts)))
         batch = TrainBatch.from_sequences([prompts[i] for i in pick], [completions[i] for i in pick], pad_id=pad_id)
         for j, i in enumerate(pick if masks is not None else ()):
@@ -103,6 +108,8 @@ def build_task_model(path: str | Path, preset: str, task: str, *, seed: int = 0,
     recipe = f"{preset} {task} {sorted(task_options.items())} seed={seed} warmup={version}\n"
     if done.exists() and done.read_text() == recipe:
         return str(path)
+    print(f"gearshift: building {preset}-{task} once (a random {preset} model, warmed up on {task}) in {path}",
+          file=sys.stderr, flush=True)
     base = build_model(path / "base", preset=preset, seed=seed)
     rows = make_task(task, 2000, seed=seed + 1, **task_options)
     TOOL_WARMUPS.get(task, format_warmup)(base, path, rows, seed=seed)

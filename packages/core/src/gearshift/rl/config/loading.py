@@ -127,5 +127,5 @@ def build_config(base: Config | None = None, sections: Mapping[str, Any] | None 
     """`base` (default: the defaults) with `sections` merged over it, e.g. {"run": {"steps": 10}}."""
     from omegaconf import OmegaConf
 
-    cfg = _merge(OmegaConf.structured(base or Config()), sections or {}, "the sections given")
+    cfg = _merge(OmegaConf.structured(base if base is not None else Config), sections or {}, "the sections given")
     return _finish(cfg, "the sections given")

@@ -12,6 +12,12 @@ from .run import RunConfig
 from .sections import DataConfig, ModelConfig, RewardConfig, RolloutConfig, SwitchConfig, TrainConfig
 
 
+#: the policy when model.path is unset: the default job's, or the built-in task's own where the default job's
+#: cannot write the task's format (calc's episodes call a tool)
+DEFAULT_MODEL = "small-add"
+TASK_MODELS = {"calc": "small-calc"}
+
+
 @dataclass
 class Config(Section):
     """A run of gearshift: `gearshift train` fills one from defaults, a YAML file and overrides."""
@@ -34,6 +40,10 @@ class Config(Section):
     """Steps, output, logging and placement."""
     agent: AgentConfig = field(default_factory=AgentConfig)
     """Multi-turn episodes: tools, environments and their limits."""
+
+    def __post_init__(self) -> None:
+        if self.model.path is None:  # filled here, once every source is merged (the loaders build the object last)
+            self.model.path = DEFAULT_MODEL if self.data.path else TASK_MODELS.get(self.data.task, DEFAULT_MODEL)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

@@ -69,8 +69,9 @@ class LoraConfig(Section):
 class ModelConfig(Section):
     """The policy's starting model."""
 
-    path: str = "small-add"
-    """A Hugging Face model folder, or a preset built locally ('tiny', 'small', 'small-add', ...)."""
+    path: str | None = None
+    """A Hugging Face model folder, or a preset built locally ('tiny', 'small', 'small-add', ...); unset, the
+    built-in task's model: 'small-calc' for data.task=calc (a tool-calling warm-up), else 'small-add'."""
     dtype: Dtype = "float32"
     """The dtype training holds the weights in."""
     dropout: bool = False
