@@ -254,6 +254,32 @@ class SGLangRolloutEngine(RolloutEngine):
             raise WeightError(f"SGLang refused the weights: {message} ({applied} weights from the buckets before "
                               f"it were applied)")
 
+    def own_load(self, buckets: Iterable[WeightBucket]) -> int:
+        """The switch bench's `OwnLoad`: SGLang's `update_weights_from_tensor` as its users call it, one call per
+        bucket with the named tensors (SGLang serializes each one itself, no flat buffer), in a begin/end
+        session where SGLang has them, the cache flushed once after the last bucket. Names and shapes are
+        checked first: a wrong one would fail inside SGLang's scheduler and take the process down."""
+        if "weights" in self.asleep or "weights" in self._released:
+            raise RolloutError("the engine's weights are asleep: call wake(['weights']) before updating them")
+        loaded = 0
+        with self._calling_sglang():
+            if self._sessions:
+                self._answer("begin_weight_update", self._engine.begin_weight_update())
+            try:
+                for bucket in buckets:
+                    tensors = self._spec.check(bucket.tensors, self.rank)
+                    if tensors:
+                        named = [(n, t.to(self.device, self.dtype)) for n, t in tensors.items()]
+                        self._answer("update_weights_from_tensor",
+                                     self._engine.update_weights_from_tensor(named, flush_cache=False))
+                    loaded += bucket.nbytes
+                    del tensors, bucket
+            finally:
+                if self._sessions:
+                    self._answer("end_weight_update", self._engine.end_weight_update())
+                self._flush()
+        return loaded
+
     @staticmethod
     def _answer(call: str, answer) -> None:
         ok, message = answer if isinstance(answer, tuple) else (getattr(answer, "success", True), answer)
