@@ -7,9 +7,10 @@ travel there as flattened buckets in shared memory (CUDA IPC on GPU) through
 `end_weight_update()` where SGLang has them (0.5.23 refuses an update outside
 them; 0.5.17, the release that pins the CUDA torch 2.11, has neither and takes
 updates as they come: `weight_update_sessions`); SGLang answers `(ok, message)`
-rather than raising, and every answer is checked. What SGLang would fail on inside its scheduler (a wrong
-name or shape, resuming memory that was not released) is refused here first:
-a scheduler that fails takes the host process down with it (see host.py).
+rather than raising, and every answer is checked. What SGLang would fail on
+inside its scheduler (a wrong name or shape, resuming memory that was not
+released) is refused here first: a scheduler that fails takes the host process
+down with it (see host.py).
 
 CPU: SGLang's CPU engine (torch-native attention) with `sgl_kernel` stood in
 where it cannot be installed (kernel.py, imports.py). Release and resume of
