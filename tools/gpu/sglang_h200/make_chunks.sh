@@ -4,7 +4,7 @@
 # dense model on CUDA that the image lacks (deps.txt beside this file). The kernel wheel (sglang-kernel 0.4.5,
 # 383 MB, 1.2 GB unpacked) goes as it is: its FlashAttention-3 library is one fat binary for every GPU
 # architecture, and the tools that would cut it to sm_90 (nvprune, cuobjdump) are not here.
-# Run here, from the project root: tools/gpu/sglang_h200/make_chunks.sh   (about a minute; see README.md)
+# Run here, from the project root: tools/gpu/sglang_h200/make_chunks.sh   (about 2 minutes; see README.md)
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 cd "$(git rev-parse --show-toplevel)"
