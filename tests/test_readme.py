@@ -83,6 +83,7 @@ HOW: dict[str, tuple[str, str]] = {
     "tools/gpu/split_ray.sh": ("gpu", "tools/gpu/split_ray.sh"),
     "bash tools/gpu/h200_realistic.sh build": ("gpu", "tools/gpu/h200_realistic.sh"),
     "bash tools/gpu/h200_realistic.sh profile": ("gpu", "tools/gpu/h200_realistic.sh"),
+    "bash tools/gpu/h200_sglang.sh conformance bench scenario": ("gpu", "tools/gpu/h200_sglang.sh"),
 }
 
 

@@ -6,10 +6,11 @@
 A cell is `<model>-<answer tokens>-<trainer>-<offload>`: model 0.5b, 1.5b or 7b (the Qwen2 shapes, random
 weights), answer length in tokens, trainer fsdp or deepspeed, offload `auto` (the memory plan) or `forced`
 (optimizer and grads to host memory and the rollout engine put to sleep at every switch). Every cell runs
-32 prompts x 8 samples per step with vLLM rollout and no memory options: the default micro-batching has to
-fit by itself. Master weights are bf16 at 7B (fp32 does not fit beside the rollout engine) and fp32 below.
+32 prompts x 8 samples per step with vLLM rollout (`--rollout sglang` for SGLang's) and no memory options: the
+default micro-batching has to fit by itself. Master weights are bf16 at 7B (fp32 does not fit beside the
+rollout engine) and fp32 below.
 
-Each cell is its own process (one vLLM engine per process). The table printed last has, per cell, the steps
+Each cell is its own process (one rollout engine per process). The table printed last has, per cell, the steps
 that finished, the median step time after the first two and its split (rollout, old logprobs, train, both
 switches), the first and the steady offload, the peak memory, the KV-cache wake, what the plan moved and
 the generated tokens/s; `scenario.json` under --out keeps every step's metrics. `--budget-s` stops starting
@@ -41,8 +42,12 @@ def parse_cell(cell: str) -> dict:
     return {"cell": cell, "model": model, "tokens": int(tokens), "trainer": trainer, "offload": offload}
 
 
-def overrides(c: dict, steps: int, out: Path, prompts: int, n: int, model: str | None = None) -> list[str]:
-    args = [f"model.path={model or MODELS[c['model']]}", f"train.backend={c['trainer']}", "rollout.backend=vllm",
+ROLLOUTS = ("vllm", "sglang")
+
+
+def overrides(c: dict, steps: int, out: Path, prompts: int, n: int, model: str | None = None,
+              rollout: str = "vllm") -> list[str]:
+    args = [f"model.path={model or MODELS[c['model']]}", f"train.backend={c['trainer']}", f"rollout.backend={rollout}",
             f"run.steps={steps}", f"run.prompts_per_step={prompts}", f"rollout.n={n}",
             f"rollout.max_tokens={c['tokens']}", "rollout.dtype=bfloat16",
             # a random model's answers earn nothing: the entropy bonus gives every update a gradient all the same
@@ -91,6 +96,7 @@ def main() -> int:
     p.add_argument("--n", type=int, default=8)
     p.add_argument("--budget-s", type=float, default=0, help="start no cell that would not end in this time")
     p.add_argument("--out", default="runs/scenario")
+    p.add_argument("--rollout", default="vllm", choices=ROLLOUTS, help="the rollout backend of every cell")
     p.add_argument("--model", help="run every cell on this model instead (a dry run on a CPU: --model small)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="one more run-config override for every cell (repeatable), e.g. rollout.options=...")
@@ -103,10 +109,12 @@ def main() -> int:
         if args.budget_s and time.time() - start + need > args.budget_s:
             skipped.append(cell["cell"])
             continue
+        cell["rollout"] = args.rollout
         run_dir = out / cell["cell"]
         t0 = time.time()
         proc = subprocess.run([sys.executable, "-m", "gearshift", "train",
-                               *overrides(cell, args.steps, run_dir, args.prompts, args.n, args.model), *args.set],
+                               *overrides(cell, args.steps, run_dir, args.prompts, args.n, args.model,
+                                          args.rollout), *args.set],
                               capture_output=True, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
         (out / f"{cell['cell']}.log").write_text(proc.stdout + proc.stderr)
         path = run_dir / "metrics.jsonl"
@@ -118,6 +126,7 @@ def main() -> int:
         if proc.returncode:
             print(result["error"][-1200:], flush=True)
     (out / "scenario.json").write_text(json.dumps({"cells": results, "not_run": skipped}, indent=1))
+    print(f"rollout: {args.rollout}")
     head = ("cell", "exit", "steps", "step s", "rollout", "old lp", "train", "switches", "1st offload", "offload",
             "kv wake", "peak GB", "moved GB", "slept", "mbs", "tok/s")
     print(" | ".join(head))

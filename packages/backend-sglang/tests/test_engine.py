@@ -87,6 +87,26 @@ def test_one_flush_per_update_after_the_last_bucket(serving_model_weights, gears
     assert all(c[1:] == ("flattened_bucket", False) for c in calls if c[0] == "update_weights_from_tensor")
 
 
+def test_own_load_is_sglangs_per_tensor_update_and_restores_the_outputs(serving_model_weights, gearshift_model,
+                                                                        monkeypatch):
+    """The switch bench's baseline: SGLang's update_weights_from_tensor with named tensors, as its users call it."""
+    from gearshift.bench.switch import OwnLoad
+
+    engine = serving_model_weights
+    assert isinstance(engine, OwnLoad)
+    baseline = engine.generate(PROMPTS, GREEDY)
+    reference = reference_weights(gearshift_model, engine.weight_spec())
+    engine.update_weights(as_buckets(perturbed(reference), engine.device))
+    assert tokens(engine.generate(PROMPTS, GREEDY)) != tokens(baseline)
+    formats, real = [], engine._engine.update_weights_from_tensor
+    monkeypatch.setattr(engine._engine, "update_weights_from_tensor", lambda named, **k: (
+        formats.append((k.get("load_format"), type(named[0]))), real(named, **k))[1])
+    buckets = as_buckets(reference, engine.device, per_bucket=3)
+    assert engine.own_load(iter(buckets)) == sum(b.nbytes for b in buckets)
+    assert formats == [(None, tuple)] * len(buckets)
+    assert tokens(engine.generate(PROMPTS, GREEDY)) == tokens(baseline)
+
+
 def test_released_memory_round_trip_through_sglang(serving_model_weights, gearshift_model):
     """With release_memory on, sleep and wake go through SGLang's release/resume (which free nothing on CPU)."""
     engine = serving_model_weights

@@ -1,5 +1,6 @@
 """Parts of the backend that run without starting SGLang: its temporary folder (sockets go there, and AF_UNIX
-paths hold 107 bytes), the flush retry, and who hears a SIGQUIT."""
+paths hold 107 bytes), the flush retry, who hears a SIGQUIT, and whether updates go between SGLang's
+begin_weight_update and end_weight_update."""
 
 import os
 import shutil
@@ -84,3 +85,42 @@ def test_sigquit_reaches_sglang_only_while_an_engine_runs(monkeypatch):
         assert calls == [signal.SIGQUIT] * 2
     finally:
         signal.signal(signal.SIGQUIT, previous)
+
+
+def test_weight_update_sessions_are_used_only_where_the_engine_has_both_calls():
+    from gearshift_sglang.engine import weight_update_sessions
+
+    class Sessions:  # SGLang 0.5.23's Engine
+        def begin_weight_update(self, selector="all"): ...
+
+        def end_weight_update(self): ...
+
+    class NoSessions:  # SGLang 0.5.17's Engine
+        def update_weights_from_tensor(self, named_tensors, load_format=None, flush_cache=True): ...
+
+    class HalfSessions:
+        begin_weight_update = None
+
+        def end_weight_update(self): ...
+
+    assert weight_update_sessions(Sessions) is True
+    assert weight_update_sessions(NoSessions) is False
+    assert weight_update_sessions(HalfSessions) is False
+
+
+def test_the_installed_sglang_engine_is_read_as_it_is():
+    import importlib.util
+
+    import pytest
+
+    if importlib.util.find_spec("sglang") is None:
+        pytest.skip("SGLang is not installed")
+    from importlib.metadata import version
+
+    from gearshift_sglang.engine import import_sglang, weight_update_sessions
+
+    engine = import_sglang()
+    has_both = hasattr(engine, "begin_weight_update") and hasattr(engine, "end_weight_update")
+    assert weight_update_sessions(engine) is has_both
+    if version("sglang") == "0.5.23":  # the CPU build of the suite: it refuses updates outside a session
+        assert has_both

@@ -4,10 +4,13 @@ The `Engine` object lives in the host; SGLang runs the model in a scheduler
 process it spawns (and detokenizes in another), reached over ZMQ. Weights
 travel there as flattened buckets in shared memory (CUDA IPC on GPU) through
 `update_weights_from_tensor`, between `begin_weight_update()` and
-`end_weight_update()`; SGLang answers `(ok, message)` rather than raising, and
-every answer is checked. What SGLang would fail on inside its scheduler (a wrong
-name or shape, resuming memory that was not released) is refused here first:
-a scheduler that fails takes the host process down with it (see host.py).
+`end_weight_update()` where SGLang has them (0.5.23 refuses an update outside
+them; 0.5.17, the release that pins the CUDA torch 2.11, has neither and takes
+updates as they come: `weight_update_sessions`); SGLang answers `(ok, message)`
+rather than raising, and every answer is checked. What SGLang would fail on
+inside its scheduler (a wrong name or shape, resuming memory that was not
+released) is refused here first: a scheduler that fails takes the host process
+down with it (see host.py).
 
 CPU: SGLang's CPU engine (torch-native attention) with `sgl_kernel` stood in
 where it cannot be installed (kernel.py, imports.py). Release and resume of
@@ -39,7 +42,7 @@ from gearshift.rollout import ROLLOUT_TAGS, Rollout, RolloutArgs, RolloutEngine,
 from gearshift.weights import WeightBucket, WeightError, WeightSpec
 
 from .host import cache_environment, contained, default_cache_dir, guard_sigquit
-from .imports import cpu_environment, importing_sglang
+from .imports import cpu_environment, gpu_environment, importing_sglang
 from .weights import FlatBuckets
 
 INSTALL = "pip install 'gearshift-sglang[cpu]' && tools/install_sglang.sh (CPU), or 'gearshift-sglang[gpu]'"
@@ -57,6 +60,16 @@ def _conformance_xfail() -> dict[str, dict[str, str]]:
     if torch.cuda.is_available():
         return {}
     return {"rollout": {"test_sleep_frees_memory": CPU_RELEASES_NOTHING}}
+
+
+def weight_update_sessions(engine_class) -> bool:
+    """True where SGLang's `Engine` wraps updates in `begin_weight_update()` / `end_weight_update()`.
+
+    SGLang 0.5.23 answers `(False, ...)` to `update_weights_from_tensor` outside such a session and changes
+    nothing; 0.5.17 has no sessions. Read from the class, not the version number: the releases between
+    them were not checked."""
+    return callable(getattr(engine_class, "begin_weight_update", None)) and callable(
+        getattr(engine_class, "end_weight_update", None))
 
 
 def import_sglang():
@@ -117,7 +130,7 @@ class SGLangRolloutEngine(RolloutEngine):
         self._spec = weight_spec_of(self.model_path, self.mesh, self.dtype)
         kwargs = self._arguments(config)
 
-        self._env = {**cache_environment(self.cache_dir), **({} if self.on_gpu else cpu_environment())}
+        self._env = {**cache_environment(self.cache_dir), **(gpu_environment() if self.on_gpu else cpu_environment())}
         self._tmp = Path(self._env["TMPDIR"])  # host.temp_dir: sockets and temporary files
         with contained(self._env, self._tmp) as host:
             Engine = import_sglang()
@@ -128,6 +141,7 @@ class SGLangRolloutEngine(RolloutEngine):
                 run_detokenizer_process_func = staticmethod(children.run_detokenizer_process)
 
             self._loop_policy = asyncio.get_event_loop_policy()  # SGLang's (uvloop), set when it was imported
+            self._sessions = weight_update_sessions(Engine)
             self._engine = GearshiftEngine(**kwargs)
             self._engine.collective_rpc("gearshift_freeze_gc")  # see children.py: cache flushes walk less
         _LIVE.add(self)
@@ -214,7 +228,8 @@ class SGLangRolloutEngine(RolloutEngine):
             raise RolloutError("the engine's weights are asleep: call wake(['weights']) before updating them")
         loaded, applied = 0, 0
         with self._calling_sglang():
-            self._answer("begin_weight_update", self._engine.begin_weight_update())
+            if self._sessions:
+                self._answer("begin_weight_update", self._engine.begin_weight_update())
             try:
                 for bucket in buckets:
                     try:
@@ -227,7 +242,8 @@ class SGLangRolloutEngine(RolloutEngine):
                     applied += len(tensors)
                     del tensors, bucket
             finally:
-                self._answer("end_weight_update", self._engine.end_weight_update())
+                if self._sessions:
+                    self._answer("end_weight_update", self._engine.end_weight_update())
                 self._flush()
         return loaded
 
@@ -238,6 +254,32 @@ class SGLangRolloutEngine(RolloutEngine):
         if not ok:
             raise WeightError(f"SGLang refused the weights: {message} ({applied} weights from the buckets before "
                               f"it were applied)")
+
+    def own_load(self, buckets: Iterable[WeightBucket]) -> int:
+        """The switch bench's `OwnLoad`: SGLang's `update_weights_from_tensor` as its users call it, one call per
+        bucket with the named tensors (SGLang serializes each one itself, no flat buffer), in a begin/end
+        session where SGLang has them, the cache flushed once after the last bucket. Names and shapes are
+        checked first: a wrong one would fail inside SGLang's scheduler and take the process down."""
+        if "weights" in self.asleep or "weights" in self._released:
+            raise RolloutError("the engine's weights are asleep: call wake(['weights']) before updating them")
+        loaded = 0
+        with self._calling_sglang():
+            if self._sessions:
+                self._answer("begin_weight_update", self._engine.begin_weight_update())
+            try:
+                for bucket in buckets:
+                    tensors = self._spec.check(bucket.tensors, self.rank)
+                    if tensors:
+                        named = [(n, t.to(self.device, self.dtype)) for n, t in tensors.items()]
+                        self._answer("update_weights_from_tensor",
+                                     self._engine.update_weights_from_tensor(named, flush_cache=False))
+                    loaded += bucket.nbytes
+                    del tensors, bucket
+            finally:
+                if self._sessions:
+                    self._answer("end_weight_update", self._engine.end_weight_update())
+                self._flush()
+        return loaded
 
     @staticmethod
     def _answer(call: str, answer) -> None:
@@ -321,4 +363,4 @@ def _kv_bytes_per_token(config, dtype: torch.dtype) -> int:
     return 2 * text.num_hidden_layers * heads * head_dim * dtype.itemsize
 
 
-__all__ = ["SGLangRolloutEngine", "import_sglang"]
+__all__ = ["SGLangRolloutEngine", "import_sglang", "weight_update_sessions"]

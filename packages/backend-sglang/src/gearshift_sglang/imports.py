@@ -58,6 +58,11 @@ def cpu_environment() -> dict[str, str]:
     }
 
 
+def gpu_environment() -> dict[str, str]:
+    """Variables SGLang must see before it is imported, on CUDA: the model's own logprobs, as on the CPU."""
+    return {"SGLANG_RETURN_ORIGINAL_LOGPROB": "1"}
+
+
 def prepare(on_gpu: bool | None = None) -> dict[str, bool]:
     """Make `import sglang` work here; returns what was done ({"kernel_stand_in": ..., "private_site": ...})."""
     import torch

@@ -1,0 +1,57 @@
+#!/usr/bin/env bash
+# The sglang rollout backend on one H200, in bf16. Here first: tools/gpu/make_wheels.sh (.whl/, from the committed
+# tree) and tools/gpu/sglang_h200/make_chunks.sh (.carry-sglang/). Then device calls, back to back (a warm
+# machine keeps /tmp): carry .carry-sglang/c01 .. c07, one a call, with
+# `mkdir -p /tmp/chunks-sglang && cp .carry-sglang/c*/part.* /tmp/chunks-sglang/`, then carry
+# [.carry-sglang/c08, .carry-sglang/dev, .whl] with (tools/gpu/sglang_h200/README.md has the whole sequence):
+#   bash tools/gpu/h200_sglang.sh conformance   fsdp + sglang and deepspeed (ZeRO-3) + sglang at the 0.5B shape,
+#                                              test_sleep_frees_memory included (SGLang's memory saver, by tag)
+#   bash tools/gpu/h200_sglang.sh bench         gearshift bench switch --train fsdp --rollout sglang at 0.5B and 7B
+#                                              (MODELS=...): sync beside the copy, SGLang's own
+#                                              update_weights_from_tensor, PCIe and naive
+#   CELLS=... bash tools/gpu/h200_sglang.sh scenario
+#                                              GRPO cells of tools/gpu/grpo_scenario.py with --rollout sglang,
+#                                              32 prompts x 8 x 256 tokens, 20 steps (0.5B by default)
+#   bash tools/gpu/h200_sglang.sh build        the random 0.5B and 7B presets, drawn on the GPU (a fresh machine
+#                                              builds what the others need on first use: 7B takes minutes)
+# Several at once: `bash tools/gpu/h200_sglang.sh conformance bench`. Output under $OUT (the device tool brings
+# it back).
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+[ $# -ge 1 ] || { echo "what to run: conformance, bench, scenario, build"; exit 2; }
+out=${OUT:-/tmp/out}
+mkdir -p "$out"
+source tools/gpu/vllm_env.sh  # the gearshift wheels (and the vLLM carry, where it came along) into /tmp/site
+bash .carry-sglang/dev/install.sh || exit 1
+# flashinfer (SGLang's sampler) compiles its kernels on first use: keep them under /tmp with the rest
+export FLASHINFER_WORKSPACE_BASE=/tmp/flashinfer SGLANG_CACHE_DIR=/tmp/sglang_cache
+bf16='{"dtype": "bfloat16"}'
+for what in "$@"; do
+  case "$what" in
+    build)
+      for m in ${MODELS:-qwen2-0.5b qwen2-7b}; do
+        python3 -c "import sys, time; from gearshift.models import resolve_model; t = time.perf_counter(); \
+p = resolve_model(sys.argv[1]); print(f'{sys.argv[1]}: {time.perf_counter() - t:.1f} s at {p}')" "$m" 2>&1 | quiet
+      done ;;
+    conformance)
+      for t in ${TRAINS:-fsdp deepspeed}; do
+        opts='{}'; [ "$t" = deepspeed ] && opts='{"zero_stage": 3}'
+        timeout "${LIMIT:-280}" python3 -m gearshift conformance --train "$t" --rollout sglang --model qwen2-0.5b \
+          --train-options "$opts" --rollout-options "$bf16" -- -rfEx -p no:logging 2>&1 | quiet \
+          | tee "$out/conformance-${t}-sglang.log" | grep -E "passed|failed|FAILED|XPASS|XFAIL|Error" | tail -8
+      done ;;
+    bench)
+      for m in ${MODELS:-qwen2-0.5b qwen2-7b}; do
+        timeout "${LIMIT:-280}" python3 -m gearshift bench switch --train fsdp --rollout sglang --model "$m" \
+          --train-options '{"param_dtype": "bfloat16"}' \
+          --rollout-options '{"dtype": "bfloat16", "mem_fraction_static": 0.3}' --out "$out/bench-$m" 2>&1 \
+          | quiet | tee "$out/bench-$m.log" | tail -24
+      done ;;
+    scenario)
+      timeout "${LIMIT:-560}" python3 tools/gpu/grpo_scenario.py --rollout sglang \
+        --cells "${CELLS:-0.5b-256-fsdp-auto}" --steps "${STEPS:-20}" --budget-s "${BUDGET:-540}" \
+        --out "$out/scenario" 2>&1 | quiet | tail -40
+      cp "$out/scenario/scenario.json" "$out/scenario-sglang-${TAG:-run}.json" 2>/dev/null ;;
+    *) echo "unknown: $what (conformance, bench, scenario, build)"; exit 2 ;;
+  esac
+done
