@@ -130,6 +130,13 @@ def test_no_import_circle_between_packages():
     assert found is None, "an import circle between packages: " + " -> ".join(found)
 
 
+def fresh_python(code: str) -> str:
+    """What `code` prints in a new interpreter (which must exit cleanly)."""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    return out.stdout
+
+
 def test_import_gearshift_models_leaves_the_rl_loop_out_and_names_it_for_task_models():
     code = ("import sys\n"
             "from gearshift.models import known_model, resolve_model\n"
@@ -139,9 +146,8 @@ def test_import_gearshift_models_leaves_the_rl_loop_out_and_names_it_for_task_mo
             "import gearshift.rl\n"
             "assert known_model('small-add') and known_model('tiny-add-rm') and not known_model('tiny-nosuch')\n"
             "assert gearshift.rl.resolve_model is resolve_model\n")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0, out.stderr[-2000:]
-    assert "`import gearshift.rl` first" in out.stdout, out.stdout
+    out = fresh_python(code)
+    assert "`import gearshift.rl` first" in out, out
 
 
 def test_nothing_imports_the_package_face():
@@ -180,9 +186,7 @@ def test_import_gearshift_leaves_the_rl_loop_out_and_trainer_still_imports():
             "import gearshift.rl\n"
             "assert Trainer is gearshift.rl.Trainer\n"
             "try:\n    gearshift.no_such_name\nexcept AttributeError as e:\n    print(e)\n")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0, out.stderr[-2000:]
-    assert "no attribute 'no_such_name'" in out.stdout
+    assert "no attribute 'no_such_name'" in fresh_python(code)
 
 
 #: modules still over the limit, each being split (the run config's sections; the bench by what it measures)

@@ -224,28 +224,35 @@ class SGLangRolloutEngine(RolloutEngine):
         Each bucket is checked before any of it is sent; the buckets before a bad one stay applied.
         The prefix cache is flushed once, after the last bucket, however the update ends.
         """
+        loaded, applied = 0, 0
+        with self._weight_update():
+            for bucket in buckets:
+                try:
+                    tensors = self._spec.check(bucket.tensors, self.rank)
+                except WeightError as e:
+                    raise WeightError(f"{e} ({applied} weights from the buckets before it were applied)") from e
+                if tensors:
+                    self._load(tensors, applied)
+                loaded += bucket.nbytes
+                applied += len(tensors)
+                del tensors, bucket
+        return loaded
+
+    @contextmanager
+    def _weight_update(self):
+        """Around an update: refused while the weights sleep; SGLang's begin/end session where it has one; the
+        prefix cache flushed once at the end, however the update ends."""
         if "weights" in self.asleep or "weights" in self._released:
             raise RolloutError("the engine's weights are asleep: call wake(['weights']) before updating them")
-        loaded, applied = 0, 0
         with self._calling_sglang():
             if self._sessions:
                 self._answer("begin_weight_update", self._engine.begin_weight_update())
             try:
-                for bucket in buckets:
-                    try:
-                        tensors = self._spec.check(bucket.tensors, self.rank)
-                    except WeightError as e:
-                        raise WeightError(f"{e} ({applied} weights from the buckets before it were applied)") from e
-                    if tensors:
-                        self._load(tensors, applied)
-                    loaded += bucket.nbytes
-                    applied += len(tensors)
-                    del tensors, bucket
+                yield
             finally:
                 if self._sessions:
                     self._answer("end_weight_update", self._engine.end_weight_update())
                 self._flush()
-        return loaded
 
     def _load(self, tensors: dict[str, torch.Tensor], applied: int) -> None:
         payload = self._flat.pack({n: t.to(self.device, self.dtype) for n, t in tensors.items()})
@@ -260,25 +267,16 @@ class SGLangRolloutEngine(RolloutEngine):
         bucket with the named tensors (SGLang serializes each one itself, no flat buffer), in a begin/end
         session where SGLang has them, the cache flushed once after the last bucket. Names and shapes are
         checked first: a wrong one would fail inside SGLang's scheduler and take the process down."""
-        if "weights" in self.asleep or "weights" in self._released:
-            raise RolloutError("the engine's weights are asleep: call wake(['weights']) before updating them")
         loaded = 0
-        with self._calling_sglang():
-            if self._sessions:
-                self._answer("begin_weight_update", self._engine.begin_weight_update())
-            try:
-                for bucket in buckets:
-                    tensors = self._spec.check(bucket.tensors, self.rank)
-                    if tensors:
-                        named = [(n, t.to(self.device, self.dtype)) for n, t in tensors.items()]
-                        self._answer("update_weights_from_tensor",
-                                     self._engine.update_weights_from_tensor(named, flush_cache=False))
-                    loaded += bucket.nbytes
-                    del tensors, bucket
-            finally:
-                if self._sessions:
-                    self._answer("end_weight_update", self._engine.end_weight_update())
-                self._flush()
+        with self._weight_update():
+            for bucket in buckets:
+                tensors = self._spec.check(bucket.tensors, self.rank)
+                if tensors:
+                    named = [(n, t.to(self.device, self.dtype)) for n, t in tensors.items()]
+                    self._answer("update_weights_from_tensor",
+                                 self._engine.update_weights_from_tensor(named, flush_cache=False))
+                loaded += bucket.nbytes
+                del tensors, bucket
         return loaded
 
     @staticmethod
