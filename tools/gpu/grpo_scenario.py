@@ -45,9 +45,9 @@ def parse_cell(cell: str) -> dict:
 ROLLOUTS = ("vllm", "sglang")
 
 
-def overrides(c: dict, steps: int, out: Path, prompts: int, n: int, model: str | None = None,
-              rollout: str = "vllm") -> list[str]:
-    args = [f"model.path={model or MODELS[c['model']]}", f"train.backend={c['trainer']}", f"rollout.backend={rollout}",
+def overrides(c: dict, steps: int, out: Path, prompts: int, n: int, model: str | None = None) -> list[str]:
+    args = [f"model.path={model or MODELS[c['model']]}", f"train.backend={c['trainer']}",
+            f"rollout.backend={c.get('rollout', 'vllm')}",
             f"run.steps={steps}", f"run.prompts_per_step={prompts}", f"rollout.n={n}",
             f"rollout.max_tokens={c['tokens']}", "rollout.dtype=bfloat16",
             # a random model's answers earn nothing: the entropy bonus gives every update a gradient all the same
@@ -113,8 +113,7 @@ def main() -> int:
         run_dir = out / cell["cell"]
         t0 = time.time()
         proc = subprocess.run([sys.executable, "-m", "gearshift", "train",
-                               *overrides(cell, args.steps, run_dir, args.prompts, args.n, args.model,
-                                          args.rollout), *args.set],
+                               *overrides(cell, args.steps, run_dir, args.prompts, args.n, args.model), *args.set],
                               capture_output=True, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
         (out / f"{cell['cell']}.log").write_text(proc.stdout + proc.stderr)
         path = run_dir / "metrics.jsonl"

@@ -29,10 +29,7 @@ bf16='{"dtype": "bfloat16"}'
 for what in "$@"; do
   case "$what" in
     build)
-      for m in ${MODELS:-qwen2-0.5b qwen2-7b}; do
-        python3 -c "import sys, time; from gearshift.models import resolve_model; t = time.perf_counter(); \
-p = resolve_model(sys.argv[1]); print(f'{sys.argv[1]}: {time.perf_counter() - t:.1f} s at {p}')" "$m" 2>&1 | quiet
-      done ;;
+      MODELS="${MODELS:-qwen2-0.5b qwen2-7b}" bash tools/gpu/h200_realistic.sh build ;;
     conformance)
       for t in ${TRAINS:-fsdp deepspeed}; do
         opts='{}'; [ "$t" = deepspeed ] && opts='{"zero_stage": 3}'

@@ -15,7 +15,7 @@ from .sections import DataConfig, ModelConfig, RewardConfig, RolloutConfig, Swit
 #: the policy when model.path is unset: the default job's, or the built-in task's own where the default job's
 #: cannot write the task's format (calc's episodes call a tool)
 DEFAULT_MODEL = "small-add"
-TASK_MODELS = {"calc": "small-calc"}
+TASK_DEFAULT_MODELS = {"calc": "small-calc"}
 
 
 @dataclass
@@ -43,7 +43,7 @@ class Config(Section):
 
     def __post_init__(self) -> None:
         if self.model.path is None:  # filled here, once every source is merged (the loaders build the object last)
-            self.model.path = DEFAULT_MODEL if self.data.path else TASK_MODELS.get(self.data.task, DEFAULT_MODEL)
+            self.model.path = DEFAULT_MODEL if self.data.path else TASK_DEFAULT_MODELS.get(self.data.task, DEFAULT_MODEL)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
