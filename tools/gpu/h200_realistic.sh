@@ -46,6 +46,9 @@ EOF
       | tee "$out/profile-sync.log" | tail -50
     timeout 150 python3 tools/gpu/profile_wake.py --model "${WAKE_MODEL:-qwen2-7b}" 2>&1 | quiet \
       | tee "$out/profile-wake.log" | tail -8
+    # the KV cache sized to a 32 x 8 x (64 + 256)-token batch, as `gearshift train` sizes it
+    timeout 150 python3 tools/gpu/profile_wake.py --model "${WAKE_MODEL:-qwen2-7b}" --max-batch-tokens 81920 2>&1 \
+      | quiet | tee "$out/profile-wake-batch.log" | tail -8
     timeout 120 python3 - <<'EOF' 2>&1 | quiet | tail -4
 from gearshift import registry
 from gearshift.models import resolve_model

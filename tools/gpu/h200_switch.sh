@@ -21,7 +21,7 @@ case "$what" in
   switch)
     nvidia-smi --query-gpu=name,memory.total,memory.used --format=csv
     timeout 560 python3 tools/gpu/switch_matrix.py --models "${MODELS:-qwen2-0.5b,qwen2-7b}" \
-      --pairs "${PAIRS:-fsdp/vllm,fsdp/hf}" --out "$out" 2>&1 | quiet | tee "$out/switch.log" | grep -v "^\s*$" ;;
+      --pairs "${PAIRS:-fsdp/vllm,fsdp/hf}" --train-dtype "${TRAIN_DTYPE:-float32}" --out "$out${TRAIN_DTYPE:+/$TRAIN_DTYPE}" 2>&1 | quiet | tee "$out/switch${TRAIN_DTYPE:+-$TRAIN_DTYPE}.log" | grep -v "^\s*$" ;;
   grpo)
     common=(train.backend=fsdp rollout.backend=vllm rollout.n=8 run.prompts_per_step=16 run.checkpoint_every=0
             run.progress=false run.samples_per_step=0 algorithm.entropy_coef=0.01 rollout.max_tokens=16

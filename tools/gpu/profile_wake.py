@@ -2,6 +2,7 @@
 """Where vLLM's KV-cache wake spends its time: each allocation its sleep-mode allocator maps back, timed.
 
     python3 tools/gpu/profile_wake.py --model qwen2-7b --gpu-memory-utilization 0.3 --repeats 5
+    python3 tools/gpu/profile_wake.py --model qwen2-7b --max-batch-tokens 81920   # KV cache sized to a batch
 
 Builds the vllm rollout engine, then `repeats` times puts it to sleep, wakes its weights, and wakes its KV
 cache with vLLM's `create_and_map` (the driver calls that map one allocation: cuMemCreate, cuMemMap,
@@ -26,9 +27,12 @@ def main() -> None:
     p.add_argument("--model", default="qwen2-0.5b")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.3)
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--max-batch-tokens", type=int, default=None,
+                   help="the rollout's batch in tokens (32 x 8 x 320 = 81920): the KV cache sized to it")
     args = p.parse_args()
     engine = registry.create("rollout", "vllm", model=resolve_model(args.model), dtype="bfloat16",
-                             gpu_memory_utilization=args.gpu_memory_utilization)
+                             gpu_memory_utilization=args.gpu_memory_utilization,
+                             max_batch_tokens=args.max_batch_tokens)
     from vllm.device_allocator import cumem
 
     calls: list[tuple[float, int]] = []

@@ -6,7 +6,8 @@
 Each pair is built once per model and measured twice: with the rollout engine put to sleep and
 woken every switch (offload of optimizer and grads forced: the full switch, KV-cache wake included)
 and with the memory plan (`offload="auto"`: nothing moves when both sides fit). Prints one table
-row per measurement and writes all of it as JSON. Training runs fp32 master weights, rollout bf16.
+row per measurement and writes all of it as JSON. Training runs fp32 master weights (`--train-dtype bfloat16`:
+bf16, as the GRPO scenario runs 7B), computing in bf16; rollout bf16.
 """
 
 from __future__ import annotations
@@ -31,10 +32,11 @@ ROLLOUT_OPTIONS = {"hf": {"dtype": "bfloat16"},
 MODES = {"full": ["optimizer", "grads"], "auto": "auto"}
 
 
-def row(b, mode: str) -> dict:
+def row(b, mode: str, dtype: str) -> dict:
     r = b.ratios()
     up = b.to_rollout
-    return {"train": b.train, "rollout": b.rollout, "model": b.model, "mode": mode, "bytes": b.bytes,
+    return {"train": b.train, "rollout": b.rollout, "model": b.model, "mode": mode, "train_dtype": dtype,
+            "bytes": b.bytes,
             "sync_s": b.sync_s, "copy_s": b.copy_s, "own_load_s": b.engine_load_s, "pcie_s": b.pcie_s,
             "naive_s": b.naive_s, "sync_over_copy": r["sync_over_copy"],
             "sync_over_own_load": r["sync_over_engine_load"], "naive_over_sync": r["naive_over_sync"],
@@ -50,6 +52,7 @@ def main() -> None:
     p.add_argument("--modes", default="full,auto")
     p.add_argument("--switches", type=int, default=5)
     p.add_argument("--naive-switches", type=int, default=1)
+    p.add_argument("--train-dtype", default="float32", help="the trainer's master weights")
     p.add_argument("--out", default="runs/switch_matrix")
     args = p.parse_args()
     out = Path(args.out)
@@ -71,7 +74,8 @@ def main() -> None:
         for pair in args.pairs.split(","):
             train_name, rollout_name = pair.split("/")
             t0 = time.perf_counter()
-            train = registry.create("train", train_name, model=path, **TRAIN_OPTIONS.get(train_name, {}))
+            train = registry.create("train", train_name, model=path, dtype=args.train_dtype,
+                                    **TRAIN_OPTIONS.get(train_name, {}))
             rollout = registry.create("rollout", rollout_name, model=path, **ROLLOUT_OPTIONS.get(rollout_name, {}))
             print(f"[{model} {pair}] engines up in {time.perf_counter() - t0:.0f} s", flush=True)
             try:
@@ -79,9 +83,9 @@ def main() -> None:
                     bench = measure_pair(train, rollout, args.switches, args.naive_switches,
                                          naive_dir="/tmp/gearshift-naive", labels=(train_name, rollout_name, model),
                                          offload=MODES[mode])
-                    rows.append(row(bench, mode))
+                    rows.append(row(bench, mode, args.train_dtype))
                     r = rows[-1]
-                    print(f"[{model} {pair} {mode}] sync {r['sync_s'] * 1e3:.1f} ms | copy {r['copy_s'] * 1e3:.1f} ms "
+                    print(f"[{model} {pair} {mode} {args.train_dtype}] sync {r['sync_s'] * 1e3:.1f} ms | copy {r['copy_s'] * 1e3:.1f} ms "
                           f"({r['sync_over_copy']:.2f}x) | one foreach copy {(r['foreach_s'] or 0) * 1e3:.1f} ms | "
                           f"host {r['host_us_per_tensor'] or 0:.1f} us/tensor | own load {r['own_load_s'] * 1e3:.1f} ms "
                           f"({r['sync_over_own_load']:.2f}x) | pcie {(r['pcie_s'] or 0) * 1e3:.1f} ms | naive "

@@ -4,10 +4,11 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from gearshift.rollout import RolloutArgs
-from gearshift_vllm.arguments import (DEFAULT_CPU_KV_CACHE_BYTES, VLLMOptions, engine_arguments,
-                                      fitting_lora_rank)
+from gearshift_vllm.arguments import (DEFAULT_CPU_KV_CACHE_BYTES, KV_MARGIN, VLLMOptions, engine_arguments,
+                                      fitting_lora_rank, kv_bytes_per_token, kv_cache_for_batch)
 
 
 def arguments(args=None, options=None, **where):
@@ -35,6 +36,48 @@ def test_gpu_sleeps_and_takes_its_share_of_memory_unless_given_bytes():
     assert kwargs["enable_sleep_mode"] and kwargs["gpu_memory_utilization"] == 0.3
     assert "kv_cache_memory_bytes" not in kwargs
     assert arguments(options=VLLMOptions(kv_cache_bytes=1 << 20), on_gpu=True)["kv_cache_memory_bytes"] == 1 << 20
+
+
+def test_a_gpu_reserves_the_kv_cache_its_batch_needs_unless_the_options_say_otherwise():
+    assert arguments(on_gpu=True, kv_for_batch=5 << 30)["kv_cache_memory_bytes"] == 5 << 30
+    assert arguments(options=VLLMOptions(kv_cache_bytes=1 << 20), on_gpu=True,
+                     kv_for_batch=5 << 30)["kv_cache_memory_bytes"] == 1 << 20
+    assert "kv_cache_memory_bytes" not in arguments(options=VLLMOptions(kv_cache_to_batch=False), on_gpu=True,
+                                                    kv_for_batch=5 << 30)
+    assert arguments(on_gpu=False, kv_for_batch=5 << 30)["kv_cache_memory_bytes"] == DEFAULT_CPU_KV_CACHE_BYTES
+
+
+def qwen2_7b():
+    from transformers import Qwen2Config
+
+    return Qwen2Config(hidden_size=3584, num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4,
+                       intermediate_size=18944, vocab_size=152064)
+
+
+def test_the_kv_cache_for_a_batch_holds_every_token_once_with_a_margin():
+    config = qwen2_7b()
+    per_token = kv_bytes_per_token(config, torch.bfloat16)
+    assert per_token == 2 * 28 * 4 * 128 * 2  # keys and values, 28 layers, 4 kv heads of 128, bf16
+    assert kv_bytes_per_token(config, torch.bfloat16, tp=2) == per_token // 2
+    # 32 prompts x 8 samples x (64 + 256) tokens: 4.7 GiB with the margin, where a 0.5 share of an H200 is 55
+    need = kv_cache_for_batch(config, torch.bfloat16, batch_tokens=256 * 320, max_model_len=32768)
+    assert need == int(256 * 320 * KV_MARGIN) * per_token
+    halves = kv_cache_for_batch(config, torch.bfloat16, batch_tokens=256 * 320, max_model_len=4096, dp=2)
+    assert halves == int(128 * 320 * KV_MARGIN) * per_token
+    # never less than one sequence of the whole context
+    assert kv_cache_for_batch(config, torch.bfloat16, batch_tokens=100, max_model_len=32768) == \
+        int(32768 * KV_MARGIN) * per_token
+    # left to vLLM's own rule: tokens unknown, or more than its share leaves
+    assert kv_cache_for_batch(config, torch.bfloat16, batch_tokens=None, max_model_len=32768) is None
+    assert kv_cache_for_batch(config, torch.bfloat16, batch_tokens=256 * 320, max_model_len=32768,
+                              room=need - 1) is None
+
+
+def test_attention_other_than_plain_layers_is_left_to_vllm():
+    config = qwen2_7b()
+    config.layer_types = ["sliding_attention"] + ["full_attention"] * 27
+    assert kv_bytes_per_token(config, torch.bfloat16) is None
+    assert kv_cache_for_batch(config, torch.bfloat16, batch_tokens=1000, max_model_len=4096) is None
 
 
 def test_cuda_graphs_on_a_gpu_and_eager_on_a_cpu_unless_the_option_says():

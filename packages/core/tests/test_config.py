@@ -276,3 +276,11 @@ def test_an_unset_model_is_the_default_jobs_or_the_tool_tasks_own():
     assert load_config(None, ["data.task=calc", "model.path=tiny-calc"]).model.path == "tiny-calc"
     assert load_config(None, ["data.task=reverse"]).model.path == "small-add"
     assert load_config(None, ["data.task=calc", "data.path=rows.jsonl"]).model.path == "small-add"  # not the task's
+
+
+def test_the_rollouts_batch_tokens_count_every_samples_prompt_and_answer_or_its_episode():
+    cfg = load_config(None, ["run.prompts_per_step=32", "rollout.n=8", "data.max_prompt_len=64",
+                             "rollout.max_tokens=256"])
+    assert cfg.rollout_batch_tokens() == 32 * 8 * (64 + 256)
+    episodes = load_config(None, ["data.task=calc", "run.prompts_per_step=4", "rollout.n=2", "agent.max_tokens=96"])
+    assert episodes.rollout_batch_tokens() == 4 * 2 * (episodes.data.max_prompt_len + 96)

@@ -28,9 +28,13 @@ class VLLMOptions:
 
     cache_dir: str | None = option(None, "vLLM's caches, sockets and temporary files (default "
                                          "~/.cache/gearshift/vllm)")
-    kv_cache_bytes: int | None = option(None, "KV cache size (CPU default 1 GiB; GPU default: "
-                                              "gpu_memory_utilization)")
+    kv_cache_bytes: int | None = option(None, "KV cache size (CPU default 1 GiB; GPU default: what the "
+                                              "rollout's max_batch_tokens need, within gpu_memory_utilization)")
     gpu_memory_utilization: float = option(0.5, "share of GPU memory vLLM may take (GPU only)")
+    kv_cache_to_batch: bool = option(True, "on a GPU, reserve only the KV cache the rollout's batch needs "
+                                           "(max_batch_tokens, with a quarter more) when that is less than "
+                                           "gpu_memory_utilization leaves: less memory to map at each wake and "
+                                           "more room for training (False: all it leaves, vLLM's own rule)")
     sleep_level: int = option(2, "GPU sleep: 2 discards the weights (the next sync refills them), 1 keeps a "
                                  "host copy (always 1 when serving adapters)", choices=(1, 2))
     enable_prefix_caching: bool = option(True, "reuse keys and values of shared prompt prefixes")
@@ -51,13 +55,15 @@ def cpu_layout(options, dtype: torch.dtype, on_gpu: bool) -> str | None:
 
 
 def engine_arguments(args: RolloutArgs, options, *, tp: int, world_size: int, on_gpu: bool,
-                     lora_ranks: Sequence[int] | None = None) -> dict[str, Any]:
+                     lora_ranks: Sequence[int] | None = None, kv_for_batch: int | None = None) -> dict[str, Any]:
     """The keyword arguments of `vllm.LLM` for `args` and the engine's `options`, on `world_size` ranks with
     `tp` of them per engine, on a GPU or a CPU.
 
     `lora_ranks`: the adapter ranks this vLLM accepts (`lora_ranks()`; None: any). Raises `ValueError` on a
     combination vLLM would fail on, naming the option to change. The CPU plain layout's `load_format` is
-    left for the engine to fill in (it registers the loader with vLLM).
+    left for the engine to fill in (it registers the loader with vLLM). `kv_for_batch`: the KV-cache bytes the
+    rollout's batch needs (`kv_cache_for_batch`), reserved on a GPU instead of vLLM's share when the options
+    let it; None: not known, or more than the share leaves.
     """
     kwargs: dict[str, Any] = dict(
         model=args.model, dtype=args.dtype, seed=args.seed, max_model_len=args.max_model_len,
@@ -76,11 +82,46 @@ def engine_arguments(args: RolloutArgs, options, *, tp: int, world_size: int, on
         kwargs.update(enable_sleep_mode=True, gpu_memory_utilization=options.gpu_memory_utilization)
         if options.kv_cache_bytes is not None:
             kwargs["kv_cache_memory_bytes"] = int(options.kv_cache_bytes)
+        elif options.kv_cache_to_batch and kv_for_batch:
+            kwargs["kv_cache_memory_bytes"] = int(kv_for_batch)
     else:
         kwargs["kv_cache_memory_bytes"] = int(options.kv_cache_bytes or DEFAULT_CPU_KV_CACHE_BYTES)
     kwargs.update(options.engine_kwargs)
     check_layout(args, kwargs, on_gpu, cpu_layout(options, args.torch_dtype, on_gpu))
     return kwargs
+
+
+#: a batch's KV cache is reserved with this much more than its tokens need: vLLM rounds each sequence up to
+#: whole blocks, and a prompt may run longer than the estimate
+KV_MARGIN = 1.25
+
+
+def kv_bytes_per_token(config, dtype: torch.dtype, tp: int = 1) -> int | None:
+    """Bytes of keys and values one token takes on one of `tp` ranks, for a model of plain attention layers
+    (`config` a transformers config); None when its fields do not say (another attention, a state-space
+    model): then vLLM sizes the cache by its own rule."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    layers, heads = getattr(text, "num_hidden_layers", None), getattr(text, "num_attention_heads", None)
+    hidden = getattr(text, "hidden_size", None)
+    if not (layers and heads and hidden) or getattr(text, "kv_lora_rank", None) or \
+            getattr(text, "layer_types", None) and any(t != "full_attention" for t in text.layer_types):
+        return None
+    kv_heads = getattr(text, "num_key_value_heads", None) or heads
+    head_dim = getattr(text, "head_dim", None) or hidden // heads
+    return 2 * layers * max(1, kv_heads // tp) * head_dim * dtype.itemsize
+
+
+def kv_cache_for_batch(config, dtype: torch.dtype, *, batch_tokens: int | None, max_model_len: int, tp: int = 1,
+                       dp: int = 1, room: float | None = None) -> int | None:
+    """KV-cache bytes one engine reserves for its share (`dp` replicas) of a batch of `batch_tokens` tokens:
+    at least one sequence of `max_model_len`, with `KV_MARGIN` more. None when not worth setting: tokens or the
+    model's attention unknown, or the need reaches `room` (what vLLM's share leaves after the weights)."""
+    per_token = kv_bytes_per_token(config, dtype, tp)
+    if not batch_tokens or per_token is None:
+        return None
+    tokens = max(-(-batch_tokens // dp), max_model_len)
+    need = int(tokens * KV_MARGIN) * per_token
+    return None if room is not None and need >= room else need
 
 
 def check_layout(args: RolloutArgs, kwargs: dict[str, Any], on_gpu: bool, cpu_weights: str | None) -> None:

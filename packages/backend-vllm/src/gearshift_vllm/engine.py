@@ -50,7 +50,7 @@ from gearshift.weights import Adapter, WeightBucket, WeightError, WeightSpec
 
 from . import worker
 from .arguments import (VLLMOptions, check_architecture, check_sleep_allocator_free, cpu_layout, engine_arguments,
-                        lora_ranks)
+                        kv_cache_for_batch, lora_ranks)
 from .cpu_loader import register_plain_loader
 from .groups import LIVE, default_group_if_made_by, forget_dead_groups, shut_down
 from .host import (RngState, cache_paths, call_environment, contained, default_cache_dir, default_threads,
@@ -110,10 +110,10 @@ class VLLMRolloutEngine(RolloutEngine):
 
         config = AutoConfig.from_pretrained(self.model_path)
         self._vocab_size = int(config.vocab_size)
+        self._spec = weight_spec_of(self.model_path, self.mesh, self.dtype)
         self._start(config)
         self.max_model_len = int(self._llm.llm_engine.model_config.max_model_len)
         self._tokenizer = self._llm.get_tokenizer()
-        self._spec = weight_spec_of(self.model_path, self.mesh, self.dtype)
         self._map_weights()
         self._rng = RngState.seeded(args.seed + self.mesh.coords(self.rank)["dp"])
         self._released: set[str] = set()  # what vLLM actually released (GPU only)
@@ -131,7 +131,8 @@ class VLLMRolloutEngine(RolloutEngine):
             vllm = import_vllm()
             self._vllm = vllm
             kwargs = engine_arguments(self.args, self.options, tp=self.mesh.tp, world_size=gdist.world_size(),
-                                      on_gpu=self.on_gpu, lora_ranks=lora_ranks() if self.args.max_lora_rank else None)
+                                      on_gpu=self.on_gpu, lora_ranks=lora_ranks() if self.args.max_lora_rank else None,
+                                      kv_for_batch=self._kv_for_batch(config) if self.on_gpu else None)
             check_architecture(vllm, config)
             if self.on_gpu:
                 check_sleep_allocator_free()
@@ -148,6 +149,16 @@ class VLLMRolloutEngine(RolloutEngine):
         self.host_changes = host.changed_env
         self._call_env = {**{k: now for k, (_, now) in host.changed_env.items() if now is not None},
                           **self._call_env}
+
+    def _kv_for_batch(self, config) -> int | None:
+        """The KV cache this engine's share of the rollout's batch needs (`max_batch_tokens`), when less than
+        vLLM's share of the device leaves beside the weights; None: vLLM sizes it."""
+        context = self.args.max_model_len or getattr(config.get_text_config(), "max_position_embeddings", None)
+        weights = sum(p.nbytes for p in self._spec.params) / self.mesh.tp
+        total = torch.cuda.get_device_properties(self.device).total_memory
+        return kv_cache_for_batch(config, self.dtype, batch_tokens=self.args.max_batch_tokens,
+                                  max_model_len=int(context or 0), tp=self.mesh.tp, dp=self.mesh.dp,
+                                  room=self.options.gpu_memory_utilization * total - weights)
 
     def _map_weights(self) -> None:
         """Where each weight of the spec goes in vLLM's model: its load unit, the view it is copied into."""

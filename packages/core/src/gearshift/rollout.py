@@ -40,6 +40,9 @@ class RolloutArgs(EngineArgs):
                                              "(None: the model's own)")
     max_lora_rank: int = option(0, "serve LoRA adapters up to this rank (`load_adapter`; engines that "
                                    "can_load_adapters only); 0: no adapters")
+    max_batch_tokens: int | None = option(None, "tokens one generate call holds at once over every data-parallel "
+                                                "replica, prompts and completions of all samples: an engine "
+                                                "that reserves a KV cache may size it to this (None: unknown)")
 
 
 class RolloutError(ValueError):

@@ -60,7 +60,8 @@ def build_rollout(cfg: Config, model_path: str):
     lora = cfg.model.lora
     rollout = registry.create("rollout", r.backend, model=model_path, dtype=cfg.rollout_dtype(),
                               seed=cfg.run.seed, mesh=r.mesh, max_model_len=r.max_model_len,
-                              **({"max_lora_rank": lora.r} if lora.adapter_sync else {}), **r.options)
+                              **({"max_lora_rank": lora.r} if lora.adapter_sync else {}),
+                              **{"max_batch_tokens": cfg.rollout_batch_tokens(), **r.options})
     if rollout.max_model_len < cfg.data.max_prompt_len + r.max_tokens:
         raise ConfigError(cfg.context_problem(rollout.max_model_len) + f" (the {r.backend} engine's context)")
     return rollout

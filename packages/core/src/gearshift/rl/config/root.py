@@ -187,6 +187,14 @@ class Config(Section):
         """The rollout engine's dtype: `rollout.dtype`, or training's (`model.dtype`)."""
         return self.rollout.dtype or self.model.dtype
 
+    def rollout_batch_tokens(self) -> int:
+        """Tokens a step's rollout holds at once: every sample's prompt and answer, or its whole episode when
+        episodes run (the rollout engine's `max_batch_tokens`)."""
+        task = None if self.data.path else self.data.task
+        answer = max(self.rollout.max_tokens, self.agent.max_tokens) if self.agent.enabled(task) else \
+            self.rollout.max_tokens
+        return self.run.prompts_per_step * self.rollout.n * (self.data.max_prompt_len + answer)
+
     def resharder(self) -> str:
         """The reshard backend a switch uses: `adapter` with `model.lora.sync=adapter`, else `switch.resharder`."""
         return "adapter" if self.model.lora.adapter_sync else self.switch.resharder
