@@ -70,7 +70,8 @@ def summarize(c: dict, rows: list[dict], code: int, seconds: float, tail: str) -
         vals = [r[key] for r in steady if key in r]
         return statistics.median(vals) if vals else None
 
-    offloads = [r.get("switch/offload") for r in rows if r.get("switch/offload")]
+    # the first offload that moved anything: step 1's trainer has no optimizer state yet, so it moves nothing
+    offloads = [r["switch/offload"] for r in rows if r.get("switch/offload") and r.get("switch/offload_gb", 1) > 0]
     return {**c, "exit": code, "wall_s": seconds, "steps": len(rows), "step_s": med("time/step"),
             "rollout_s": med("time/rollout"), "old_logprobs_s": med("time/old_logprobs"),
             "train_s": med("time/train"),
