@@ -17,15 +17,18 @@ cd "$(dirname "$0")/../.."
 what=${1:?what to run: check, 0.5b, 1.5b, 7b or summary}; out=${OUT:-/tmp/out}
 mkdir -p "$out"
 source tools/gpu/vllm_env.sh
+# .whl-trl carried with this call, or copied to /tmp/.whl-trl by an earlier call of the same machine (where the
+# last call would be over the 64 MiB a call carries: carry .whl-trl with c04 and add `&& cp -r .whl-trl /tmp/`)
+wheels=.whl-trl; [ -d "$wheels" ] || wheels=/tmp/.whl-trl
 if [ ! -d /tmp/site/trl ]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .whl-trl/*.whl 2>&1 \
+  python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site "$wheels"/*.whl 2>&1 \
     | grep -v "WARNING: Target directory" | tail -3
 fi
 keep=/tmp/trl_h200  # both sides of a shape, across the calls of one warm machine
 case "$what" in
   check)
     nvidia-smi --query-gpu=name,memory.total,memory.used --format=csv
-    python3 tools/gpu/trl_h200.py check .whl-trl --extras vllm
+    python3 tools/gpu/trl_h200.py check "$wheels" --extras vllm
     python3 -m pip list 2>/dev/null | grep -iE "^(torch|transformers|accelerate|vllm|trl|datasets|multiprocess|dill|pyarrow|fsspec|pandas|huggingface.hub|aiohttp|httpx|requests) "
     python3 -c "import vllm, trl; from trl import GRPOConfig, GRPOTrainer; print('trl', trl.__version__, 'vllm', vllm.__version__, 'import fine')" 2>&1 | grep -v UserWarning | tail -3
     for m in ${MODELS:-qwen2-0.5b qwen2-7b}; do
