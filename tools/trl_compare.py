@@ -15,8 +15,10 @@ What is the same: the model folder (the default job's `small-add`), the prompts 
 serves them (TRL reads them unshuffled), gearshift's own `numeric_match` reward, 32 prompts x 8 samples,
 4 new tokens at temperature 1, AdamW at the same learning rate (constant), no weight decay, gradient
 clipping at 1.0, no KL term, clip 0.2, one update per batch, the loss a token mean over the batch (TRL's
-`dapo`), advantages normalised by each group's standard deviation. What is not: TRL's standard deviation has
-eps 1e-4 where gearshift's has 1e-6, and the samples differ (each draws from its own generator).
+`dapo`), advantages normalised by each group's standard deviation, no activation recomputation (TRL's
+GRPOConfig turns gradient checkpointing on unless told otherwise; the job turns it off). What is not: TRL's
+standard deviation has eps 1e-4 where gearshift's has 1e-6, and the samples differ (each draws from its own
+generator).
 """
 
 from __future__ import annotations
@@ -60,10 +62,16 @@ def write_job(out: Path, seed: int, steps: int, engines: str, extra: list[str]) 
         "trl_dir": str(out / f"trl-{seed}"), "trl_steps": str(out / f"trl-{seed}.jsonl"),
         "settings": {"prompts": cfg.run.prompts_per_step, "n": cfg.rollout.n, "max_tokens": cfg.rollout.max_tokens,
                      "temperature": cfg.rollout.temperature, "lr": cfg.policy_lr(), "clip": cfg.algorithm.clip_low,
-                     "weight_decay": cfg.train.weight_decay, "max_grad_norm": cfg.train.max_grad_norm},
+                     "weight_decay": cfg.train.weight_decay, "max_grad_norm": cfg.train.max_grad_norm,
+                     "entropy_coef": cfg.algorithm.entropy_coef, "max_prompt_len": cfg.data.max_prompt_len,
+                     "model_dtype": cfg.model.dtype, "rollout_dtype": cfg.rollout.dtype or cfg.model.dtype},
+        # TRL's GRPOConfig recomputes activations by default; gearshift's trainers do not
+        "gradient_checkpointing": False,
     }
     if cfg.algorithm.clip_high != cfg.algorithm.clip_low or cfg.rollout.top_p != 1 or cfg.rollout.top_k:
         raise SystemExit("trl_compare: use one clip range and plain sampling (top_p 1, top_k 0) on both sides")
+    if cfg.algorithm.rollout_correction != "none":
+        raise SystemExit("trl_compare: the comparison is without a rollout correction (TRL's IS correction off)")
     (out / f"job-{seed}.json").write_text(json.dumps(job, indent=1))
     return job, overrides
 
