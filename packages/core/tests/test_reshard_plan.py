@@ -146,3 +146,22 @@ def test_plan_runs_for_real_over_two_gloo_processes():
     results = manager.dict()
     mp.spawn(_worker, args=(2, port, results), nprocs=2, join=True)
     assert dict(results) == {0: 0, 1: 0}
+
+
+def test_weights_are_copied_large_ones_one_by_one_and_small_ones_batched(monkeypatch):
+    import torch
+
+    from gearshift.weights import copy_weights_
+
+    batched = []
+    real = torch._foreach_copy_
+    monkeypatch.setattr(torch, "_foreach_copy_", lambda d, s: (batched.append(len(d)), real(d, s)))
+    dsts = [torch.zeros(4, dtype=torch.bfloat16), torch.zeros(256, dtype=torch.bfloat16), torch.zeros(3)]
+    srcs = [torch.arange(4.0), torch.arange(256.0), torch.arange(3.0)]
+    copy_weights_(dsts, srcs, large=256 * 2)  # the second is 512 bytes: copied by itself
+    assert batched == [2]
+    for d, s in zip(dsts, srcs):
+        assert torch.equal(d, s.to(d.dtype))  # cast as copy_ casts
+    batched.clear()
+    copy_weights_(dsts[1:2], srcs[1:2], large=256 * 2)
+    assert batched == []

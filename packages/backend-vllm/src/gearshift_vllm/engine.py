@@ -46,7 +46,7 @@ import torch
 from gearshift import dist as gdist
 from gearshift.hf import weight_spec_of
 from gearshift.rollout import ROLLOUT_TAGS, Rollout, RolloutArgs, RolloutEngine, RolloutError, SamplingParams
-from gearshift.weights import Adapter, WeightBucket, WeightError, WeightSpec
+from gearshift.weights import Adapter, WeightBucket, WeightError, WeightSpec, copy_weights_
 
 from . import worker
 from .arguments import (VLLMOptions, check_architecture, check_sleep_allocator_free, cpu_layout, engine_arguments,
@@ -267,7 +267,7 @@ class VLLMRolloutEngine(RolloutEngine):
                     else:
                         into.append((view, t))
                 if into:  # one cast-copy per weight straight into vLLM's storage, batched: no call into vLLM
-                    torch._foreach_copy_([v for v, _ in into], [t for _, t in into])
+                    copy_weights_([v for v, _ in into], [t for _, t in into])
                 if rest:
                     with self._calling_vllm():
                         self._llm.apply_model(lambda model, rest=rest: model.load_weights(iter(rest)))

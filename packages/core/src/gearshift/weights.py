@@ -236,3 +236,23 @@ class Adapter:
         save_file({n: t.detach().to("cpu").contiguous() for n, t in self.tensors.items()},
                   str(path / "adapter_model.safetensors"), metadata={"format": "pt"})
         return path
+
+
+#: tensors of at least this many bytes are copied one `copy_` each: on a GPU a plain copy of a large tensor
+#: runs nearer the memory bandwidth than `torch._foreach_copy_`'s chunked kernel (at the 7B shape on one
+#: H200, 7.6 ms one by one against 10.0 ms batched), while small tensors cost a launch each unless batched
+LARGE_COPY_BYTES = 16 << 20
+
+
+def copy_weights_(dsts: list[torch.Tensor], srcs: list[torch.Tensor], large: int = LARGE_COPY_BYTES) -> None:
+    """`dst.copy_(src)` for each pair (casting as `copy_` does): the small ones in one batched copy, the large
+    ones one by one."""
+    small_d, small_s = [], []
+    for d, s in zip(dsts, srcs, strict=True):
+        if d.numel() * d.element_size() >= large:
+            d.copy_(s)
+        else:
+            small_d.append(d)
+            small_s.append(s)
+    if small_d:
+        torch._foreach_copy_(small_d, small_s)

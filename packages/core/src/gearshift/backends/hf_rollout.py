@@ -22,7 +22,7 @@ from ..hf import load_causal_lm, tied_aliases
 from ..options import option
 from ..rollout import Rollout, RolloutArgs, RolloutEngine, RolloutError, SamplingParams, text_before_stop
 from ..tensor_parallel import local_tensor, parallelize_tensor, tp_placement
-from ..weights import ParamSpec, WeightBucket, WeightError, WeightSpec
+from ..weights import ParamSpec, WeightBucket, WeightError, WeightSpec, copy_weights_
 
 
 class HFRolloutEngine(RolloutEngine):
@@ -201,7 +201,7 @@ class HFRolloutEngine(RolloutEngine):
                         self._local[name] = self._params[name]
                     self._borrowed.clear()
                 # one batched cast-copy per bucket rather than one call per weight
-                torch._foreach_copy_([self._local[n].data for n in tensors], list(tensors.values()))
+                copy_weights_([self._local[n].data for n in tensors], list(tensors.values()))
                 handed += bucket.nbytes
                 applied += len(tensors)
         finally:

@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 from .. import dist as gdist
-from ..weights import WeightBucket
+from ..weights import WeightBucket, copy_weights_
 from .link import Link, Message
 from .plan import BucketPlan, ReshardPlan, numel
 
@@ -107,7 +107,7 @@ def _assemble(plan, bucket, local, rank, group, cast, tag, device=None) -> Weigh
             else:
                 recvs.setdefault((piece.src, dtype), []).append((out[name], piece.dst_slices, piece.shape))
     if into:
-        torch._foreach_copy_(into, pieces)
+        copy_weights_(into, pieces)
     if sends or recvs:
         _exchange(bucket, sends, recvs, device, group, tag)
     return WeightBucket(out, bucket.index)  # its tensors keep the arena alive; the consumer decides when it goes
@@ -138,4 +138,4 @@ def _exchange(bucket, sends, recvs, device, group, tag) -> None:
             dsts.append(buf[where])
             srcs.append(part.view(shape))
     if dsts:
-        torch._foreach_copy_(dsts, srcs)
+        copy_weights_(dsts, srcs)
