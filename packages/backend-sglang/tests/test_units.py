@@ -124,3 +124,42 @@ def test_the_installed_sglang_engine_is_read_as_it_is():
     assert weight_update_sessions(engine) is has_both
     if version("sglang") == "0.5.23":  # the CPU build of the suite: it refuses updates outside a session
         assert has_both
+
+
+def _arguments_on(on_gpu: bool, options=None, **args):
+    """The real `_arguments` of an engine that was not started: only the state it reads."""
+    import torch
+    from transformers import Qwen2Config
+
+    from gearshift.mesh import MeshSpec
+    from gearshift.rollout import RolloutArgs
+    from gearshift_sglang import SGLangRolloutEngine
+
+    engine = object.__new__(SGLangRolloutEngine)
+    engine.args = RolloutArgs(model="m", dtype="bfloat16", **args)
+    engine.options = options or SGLangRolloutEngine.Options()
+    engine.on_gpu, engine.model_path, engine.dtype = on_gpu, "m", torch.bfloat16
+    engine.device, engine.mesh = torch.device("cuda", 0) if on_gpu else torch.device("cpu"), MeshSpec(dp=1)
+    config = Qwen2Config(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         max_position_embeddings=512)
+    return engine._arguments(config)
+
+
+def test_on_a_gpu_the_kv_cache_holds_the_batch_not_the_whole_share():
+    from gearshift.rollout import KV_MARGIN
+    from gearshift_sglang import SGLangRolloutEngine
+
+    kwargs = _arguments_on(True, max_batch_tokens=256 * 320)
+    assert kwargs["max_total_tokens"] == int(256 * 320 * KV_MARGIN)
+    assert kwargs["mem_fraction_static"] == 0.5
+    assert "max_total_tokens" not in _arguments_on(True)  # the batch unknown: SGLang's share
+    off = SGLangRolloutEngine.Options(kv_cache_to_batch=False)
+    assert "max_total_tokens" not in _arguments_on(True, off, max_batch_tokens=256 * 320)
+    small = _arguments_on(True, max_batch_tokens=100)  # never less than one sequence of the context
+    assert small["max_total_tokens"] == int(512 * KV_MARGIN)
+
+
+def test_on_a_cpu_the_kv_cache_keeps_its_own_size():
+    cpu = _arguments_on(False, max_batch_tokens=256 * 320)
+    per_token = 2 * 2 * 2 * 16 * 2  # keys and values, 2 layers, 2 kv heads of 16, bf16
+    assert cpu["max_total_tokens"] == (256 << 20) // per_token

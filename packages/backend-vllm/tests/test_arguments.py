@@ -6,8 +6,8 @@ import sys
 import pytest
 import torch
 
-from gearshift.rollout import RolloutArgs
-from gearshift_vllm.arguments import (DEFAULT_CPU_KV_CACHE_BYTES, KV_MARGIN, VLLMOptions, engine_arguments,
+from gearshift.rollout import KV_MARGIN, RolloutArgs
+from gearshift_vllm.arguments import (DEFAULT_CPU_KV_CACHE_BYTES, VLLMOptions, engine_arguments,
                                       fitting_lora_rank, kv_bytes_per_token, kv_cache_for_batch)
 
 

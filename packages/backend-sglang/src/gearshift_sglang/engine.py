@@ -38,7 +38,8 @@ import torch
 from gearshift import dist as gdist
 from gearshift.hf import weight_spec_of
 from gearshift.options import option
-from gearshift.rollout import ROLLOUT_TAGS, Rollout, RolloutArgs, RolloutEngine, RolloutError, SamplingParams
+from gearshift.rollout import (ROLLOUT_TAGS, Rollout, RolloutArgs, RolloutEngine, RolloutError, SamplingParams,
+                               kv_tokens_for_batch)
 from gearshift.weights import WeightBucket, WeightError, WeightSpec
 
 from .host import cache_environment, contained, default_cache_dir, guard_sigquit
@@ -94,8 +95,11 @@ class SGLangRolloutEngine(RolloutEngine):
     class Options:
         cache_dir: str | None = option(None, "SGLang's caches, sockets and temporary files (default "
                                              "~/.cache/gearshift/sglang)")
-        kv_cache_bytes: int | None = option(None, "KV cache size (CPU default 256 MiB; GPU default: "
-                                                  "mem_fraction_static)")
+        kv_cache_bytes: int | None = option(None, "KV cache size (CPU default 256 MiB; GPU default: what the "
+                                                  "rollout's max_batch_tokens need, within mem_fraction_static)")
+        kv_cache_to_batch: bool = option(True, "on a GPU, cap the KV cache at what the rollout's batch needs "
+                                               "(max_batch_tokens, with a quarter more; False: all that "
+                                               "mem_fraction_static leaves)")
         mem_fraction_static: float = option(0.5, "share of GPU memory for weights and KV cache (GPU only)")
         enable_prefix_caching: bool = option(True, "reuse keys and values of shared prompt prefixes (SGLang's radix "
                                                    "cache: the n samples of a prompt share its prefill); a prefix "
@@ -172,6 +176,12 @@ class SGLangRolloutEngine(RolloutEngine):
         kv_bytes = opts.kv_cache_bytes or (None if self.on_gpu else DEFAULT_CPU_KV_CACHE_BYTES)
         if kv_bytes is not None:
             kwargs["max_total_tokens"] = max(1, int(kv_bytes) // _kv_bytes_per_token(config, self.dtype))
+        elif opts.kv_cache_to_batch:  # a GPU: the batch's tokens, where known
+            text = getattr(config, "text_config", None) or config
+            context = args.max_model_len or getattr(text, "max_position_embeddings", None) or 0
+            tokens = kv_tokens_for_batch(args.max_batch_tokens, int(context), self.mesh.dp)
+            if tokens is not None:
+                kwargs["max_total_tokens"] = tokens
         kwargs.update(opts.engine_kwargs)
         return kwargs
 

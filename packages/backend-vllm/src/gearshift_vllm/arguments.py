@@ -15,7 +15,7 @@ from typing import Any, Sequence
 import torch
 
 from gearshift.options import option
-from gearshift.rollout import RolloutArgs, RolloutError
+from gearshift.rollout import RolloutArgs, RolloutError, kv_tokens_for_batch
 
 from .cpu_loader import choose_layout
 
@@ -91,11 +91,6 @@ def engine_arguments(args: RolloutArgs, options, *, tp: int, world_size: int, on
     return kwargs
 
 
-#: a batch's KV cache is reserved with this much more than its tokens need: vLLM rounds each sequence up to
-#: whole blocks, and a prompt may run longer than the estimate
-KV_MARGIN = 1.25
-
-
 def kv_bytes_per_token(config, dtype: torch.dtype, tp: int = 1) -> int | None:
     """Bytes of keys and values one token takes on one of `tp` ranks, for a model of plain attention layers
     (`config` a transformers config); None when its fields do not say (another attention, a state-space
@@ -114,13 +109,14 @@ def kv_bytes_per_token(config, dtype: torch.dtype, tp: int = 1) -> int | None:
 def kv_cache_for_batch(config, dtype: torch.dtype, *, batch_tokens: int | None, max_model_len: int, tp: int = 1,
                        dp: int = 1, room: float | None = None) -> int | None:
     """KV-cache bytes one engine reserves for its share (`dp` replicas) of a batch of `batch_tokens` tokens:
-    at least one sequence of `max_model_len`, with `KV_MARGIN` more. None when not worth setting: tokens or the
-    model's attention unknown, or the need reaches `room` (what vLLM's share leaves after the weights)."""
+    at least one sequence of `max_model_len`, with a margin. None when not worth setting: tokens or the
+    model's attention unknown, or the need reaches `room` (what vLLM's share leaves after the weights); see
+    `gearshift.rollout.kv_tokens_for_batch`."""
     per_token = kv_bytes_per_token(config, dtype, tp)
-    if not batch_tokens or per_token is None:
+    tokens = kv_tokens_for_batch(batch_tokens, max_model_len, dp)
+    if tokens is None or per_token is None:
         return None
-    tokens = max(-(-batch_tokens // dp), max_model_len)
-    need = int(tokens * KV_MARGIN) * per_token
+    need = tokens * per_token
     return None if room is not None and need >= room else need
 
 

@@ -45,6 +45,20 @@ class RolloutArgs(EngineArgs):
                                                 "that reserves a KV cache may size it to this (None: unknown)")
 
 
+#: a KV cache sized to a batch holds this much more than its tokens: engines round each sequence up to whole
+#: blocks, and a prompt may run longer than announced
+KV_MARGIN = 1.25
+
+
+def kv_tokens_for_batch(batch_tokens: int | None, context: int, dp: int = 1) -> int | None:
+    """Tokens one of `dp` replicas' KV cache holds for its share of a batch of `batch_tokens`
+    (`RolloutArgs.max_batch_tokens`): the share with `KV_MARGIN` more, and at least one sequence of the whole
+    `context`; None when the batch is not known."""
+    if not batch_tokens:
+        return None
+    return int(max(-(-batch_tokens // dp), context) * KV_MARGIN)
+
+
 class RolloutError(ValueError):
     """A request the engine cannot serve; the engine stays usable."""
 
