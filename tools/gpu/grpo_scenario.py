@@ -13,8 +13,9 @@ rollout engine) and fp32 below.
 Each cell is its own process (one rollout engine per process). The table printed last has, per cell, the steps
 that finished, the median step time after the first two and its split (rollout, old logprobs, train, both
 switches), the first and the steady offload, the peak memory, the KV-cache wake, what the plan moved and
-the generated tokens/s; `scenario.json` under --out keeps every step's metrics. `--budget-s` stops starting
-cells that would not finish in the time left (the cells not run are listed).
+the generated tokens/s; `scenario.json` under --out keeps every step's metrics. `--budget-s` stops a cell at the budget (it keeps
+the steps it finished) and starts no later cell that would not finish in the time left (the cells not run
+are listed).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -85,6 +87,24 @@ def summarize(c: dict, rows: list[dict], code: int, seconds: float, tail: str) -
             "error": None if code == 0 else tail[-2000:]}
 
 
+#: the exit code of a cell stopped at the time budget (as `timeout` reports it)
+STOPPED = 124
+
+
+def run_cell(cmd: list[str], timeout: float | None) -> tuple[int, str]:
+    """Run one cell's `gearshift train` in its own process group; past `timeout` seconds the group is killed
+    and the code is `STOPPED`. Returns the exit code and the output."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"}, start_new_session=True)
+    try:
+        output, _ = proc.communicate(timeout=timeout)
+        return proc.returncode, output
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        output, _ = proc.communicate()
+        return STOPPED, output
+
+
 def fmt(v, spec=".2f"):
     return "-" if v is None else format(v, spec)
 
@@ -107,23 +127,27 @@ def main() -> int:
     start, results, skipped = time.time(), [], []
     for cell in [parse_cell(c) for c in args.cells.split(",") if c]:
         need = 60 + args.steps * (STEP_S[cell["model"]] + TOKEN_S * cell["tokens"])
-        if args.budget_s and time.time() - start + need > args.budget_s:
+        left = args.budget_s - (time.time() - start) if args.budget_s else None
+        # the first cell always starts (stopped at the budget, it keeps the steps it finished); a later one
+        # only when it is expected to finish
+        if left is not None and results and need > left:
             skipped.append(cell["cell"])
             continue
         cell["rollout"] = args.rollout
         run_dir = out / cell["cell"]
         t0 = time.time()
-        proc = subprocess.run([sys.executable, "-m", "gearshift", "train",
-                               *overrides(cell, args.steps, run_dir, args.prompts, args.n, args.model), *args.set],
-                              capture_output=True, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
-        (out / f"{cell['cell']}.log").write_text(proc.stdout + proc.stderr)
+        code, output = run_cell([sys.executable, "-m", "gearshift", "train",
+                                 *overrides(cell, args.steps, run_dir, args.prompts, args.n, args.model), *args.set],
+                                timeout=left)
+        (out / f"{cell['cell']}.log").write_text(output)
         path = run_dir / "metrics.jsonl"
         rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
-        result = summarize(cell, rows, proc.returncode, time.time() - t0, proc.stdout + proc.stderr)
+        result = summarize(cell, rows, code, time.time() - t0, output)
         result["per_step"] = rows
         results.append(result)
-        print(f"[{cell['cell']}] exit {proc.returncode}, {len(rows)} steps in {time.time() - t0:.0f} s", flush=True)
-        if proc.returncode:
+        print(f"[{cell['cell']}] exit {code}, {len(rows)} steps in {time.time() - t0:.0f} s"
+              + (" (stopped at the time budget)" if code == STOPPED else ""), flush=True)
+        if code and code != STOPPED:
             print(result["error"][-1200:], flush=True)
     (out / "scenario.json").write_text(json.dumps({"cells": results, "not_run": skipped}, indent=1))
     print(f"rollout: {args.rollout}")
