@@ -295,9 +295,29 @@ def test_the_tool_warmup_teaches_the_call_and_keeps_the_tools_answer_out_of_the_
 
     rows = make_task("calc", 64, seed=1)
     out = tool_warmup(gearshift_model, tmp_path / "m", rows, steps=2, batch_size=8)
+    with pytest.raises(ValueError, match="answers='copied'"):
+        tool_warmup(gearshift_model, tmp_path / "n", rows, steps=1, batch_size=8, answers="copied")
     from transformers import AutoModelForCausalLM
 
     assert AutoModelForCausalLM.from_pretrained(out) is not None
+
+
+def test_the_tool_warmups_answers_are_one_digit_off_the_tools_and_the_task_pays_only_the_exact_one():
+    import random
+
+    from gearshift.rl.rewards import load_reward
+    from gearshift.rl.tasks import TASK_REWARDS
+    from gearshift.rl.warmup import near_miss
+
+    rng = random.Random(0)
+    for answer in ["7", "85", "100", "198"] * 50:
+        wrong = near_miss(answer, rng)
+        assert wrong != answer and len(wrong) == len(answer) and wrong.isdigit()
+        assert sum(a != b for a, b in zip(wrong, answer)) == 1
+        assert len(wrong) == 1 or wrong[0] != "0"
+    assert {near_miss("85", rng) for _ in range(400)} == {f"{d}5" for d in "12345679"} | {f"8{d}" for d in "012346789"}
+    reward = load_reward(TASK_REWARDS["calc"])  # a fixed or a near answer earns nothing, unlike digits_match
+    assert reward(" 85", answer="85") == 1.0 and reward("87", answer="85") == reward("177", answer="85") == 0.0
 
 
 def test_chat_prompts_are_rendered_with_the_tools_schemas(tokenizer):

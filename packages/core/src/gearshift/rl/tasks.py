@@ -81,7 +81,7 @@ TASKS: dict[str, Callable[..., list[dict]]] = {"add": addition, "arith": arithme
 
 #: the reward that grades each task
 TASK_REWARDS = {"add": "gearshift.rl.rewards:numeric_match", "arith": "gearshift.rl.rewards:numeric_match",
-                "reverse": "gearshift.rl.rewards:exact_match", "calc": "gearshift.rl.agent.builtin:digits_match",
+                "reverse": "gearshift.rl.rewards:exact_match", "calc": "gearshift.rl.rewards:exact_match",
                 "guess": "gearshift.rl.rewards:numeric_match"}
 
 #: the tools and environment a task's episodes have (`agent.*` adds to them)

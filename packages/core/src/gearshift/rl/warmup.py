@@ -38,13 +38,26 @@ def format_warmup(base: str, out: str | Path, rows: list[dict], *, steps: int = 
     return str(out)
 
 
+def near_miss(answer: str, rng: random.Random) -> str:
+    """`answer` (a number) with one of its digits changed to another: never the answer, one digit off it
+    ('85' -> '35' or '87'; a leading digit is not made 0)."""
+    digits = [i for i, ch in enumerate(answer) if ch.isdigit()]
+    i = rng.choice(digits)
+    lead = i == digits[0] and len(digits) > 1
+    other = [d for d in "0123456789" if d != answer[i] and not (lead and d == "0")]
+    return answer[:i] + rng.choice(other) + answer[i + 1:]
+
+
 def tool_warmup(base: str, out: str | Path, rows: list[dict], *, steps: int = 300, batch_size: int = 64,
-                lr: float = 1e-3, seed: int = 0) -> str:
-    """Fine-tune `base` on calculator episodes of `rows` whose final answers are shuffled, and save it to `out`.
+                lr: float = 1e-3, seed: int = 0, answers: str = "near") -> str:
+    """Fine-tune `base` on calculator episodes of `rows` whose final answers are wrong, and save it to `out`.
 
     Each example is the episode the `calc` task's agent writes: `<calc>a+b</calc>` (the model's), the tool's
-    `<result>c</result>` (kept out of the loss, as in RL) and an answer drawn at random from the task's answers,
-    so the model learns to call the tool and to answer with a number, not to read the tool's answer.
+    `<result>c</result>` (kept out of the loss, as in RL) and a final answer that is never c. `answers="near"`
+    (the default): c with one digit changed (`near_miss`), so the model learns to call the tool and to answer
+    with a number near the tool's, and copying the tool's answer exactly is the step left to RL.
+    `answers="shuffled"`: an answer drawn at random from the task's answers (the model does not learn to read
+    the tool's answer at all; RL then rarely finds it within a few hundred steps).
     """
     from transformers import AutoTokenizer
 
@@ -53,7 +66,9 @@ def tool_warmup(base: str, out: str | Path, rows: list[dict], *, steps: int = 30
 
     tokenizer = AutoTokenizer.from_pretrained(base)
     rng = random.Random(seed)
-    answers = [r["answer"] for r in rows]
+    if answers not in ("shuffled", "near"):
+        raise ValueError(f"answers={answers!r}: use 'shuffled' or 'near'")
+    pool = [r["answer"] for r in rows]
     prompts = tokenize_prompts(rows, tokenizer)
 
     def encode(text: str) -> list[int]:
@@ -63,7 +78,9 @@ def tool_warmup(base: str, out: str | Path, rows: list[dict], *, steps: int = 30
     for row in rows:
         expression = row["prompt"].rstrip("=")
         call, result = encode(f"<calc>{expression}</calc>"), encode(f"<result>{calc(expression)}</result>")
-        answer = encode(rng.choice(answers)) + [tokenizer.eos_token_id]
+        value = calc(expression)
+        final = rng.choice(pool) if answers == "shuffled" else near_miss(value, rng)
+        answer = encode(final) + [tokenizer.eos_token_id]
         episodes.append(call + result + answer)
         masks.append([1] * len(call) + [0] * len(result) + [1] * len(answer))
     _fit(base, out, prompts, episodes, masks, rng, steps=steps, batch_size=batch_size, lr=lr, seed=seed,
@@ -104,7 +121,7 @@ def build_task_model(path: str | Path, preset: str, task: str, *, seed: int = 0,
 
     path = Path(path)
     done = path / "gearshift-warmup.done"
-    version = "tool-v1" if task in TOOL_WARMUPS else "v2"
+    version = "tool-v2" if task in TOOL_WARMUPS else "v2"  # tool-v2: near-miss answers (tool-v1: shuffled)
     recipe = f"{preset} {task} {sorted(task_options.items())} seed={seed} warmup={version}\n"
     if done.exists() and done.read_text() == recipe:
         return str(path)
