@@ -36,7 +36,7 @@ from typing import Any, ClassVar, Iterable, Sequence
 import torch
 
 from gearshift import dist as gdist
-from gearshift.hf import weight_spec_of
+from gearshift.hf import kv_bytes_per_token, weight_spec_of
 from gearshift.options import option
 from gearshift.rollout import (ROLLOUT_TAGS, Rollout, RolloutArgs, RolloutEngine, RolloutError, SamplingParams,
                                kv_tokens_for_batch)
@@ -175,7 +175,7 @@ class SGLangRolloutEngine(RolloutEngine):
             kwargs.update(device="cpu", attention_backend="torch_native", disable_cuda_graph=True)
         kv_bytes = opts.kv_cache_bytes or (None if self.on_gpu else DEFAULT_CPU_KV_CACHE_BYTES)
         if kv_bytes is not None:
-            kwargs["max_total_tokens"] = max(1, int(kv_bytes) // _kv_bytes_per_token(config, self.dtype))
+            kwargs["max_total_tokens"] = max(1, int(kv_bytes) // kv_bytes_per_token(config, self.dtype))
         elif opts.kv_cache_to_batch:  # a GPU: the batch's tokens, where known
             text = getattr(config, "text_config", None) or config
             context = args.max_model_len or getattr(text, "max_position_embeddings", None) or 0
@@ -362,13 +362,6 @@ _LIVE: "weakref.WeakSet[SGLangRolloutEngine]" = weakref.WeakSet()
 
 def _any_running() -> bool:
     return any(e._engine is not None for e in list(_LIVE))
-
-
-def _kv_bytes_per_token(config, dtype: torch.dtype) -> int:
-    text = getattr(config, "text_config", None) or config
-    heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
-    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
-    return 2 * text.num_hidden_layers * heads * head_dim * dtype.itemsize
 
 
 __all__ = ["SGLangRolloutEngine", "import_sglang", "weight_update_sessions"]

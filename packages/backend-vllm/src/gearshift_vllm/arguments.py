@@ -14,6 +14,7 @@ from typing import Any, Sequence
 
 import torch
 
+from gearshift.hf import kv_bytes_per_token as plain_kv_bytes_per_token
 from gearshift.options import option
 from gearshift.rollout import RolloutArgs, RolloutError, kv_tokens_for_batch
 
@@ -96,14 +97,11 @@ def kv_bytes_per_token(config, dtype: torch.dtype, tp: int = 1) -> int | None:
     (`config` a transformers config); None when its fields do not say (another attention, a state-space
     model): then vLLM sizes the cache by its own rule."""
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    layers, heads = getattr(text, "num_hidden_layers", None), getattr(text, "num_attention_heads", None)
-    hidden = getattr(text, "hidden_size", None)
-    if not (layers and heads and hidden) or getattr(text, "kv_lora_rank", None) or \
+    fields = (getattr(text, k, None) for k in ("num_hidden_layers", "num_attention_heads", "hidden_size"))
+    if not all(fields) or getattr(text, "kv_lora_rank", None) or \
             getattr(text, "layer_types", None) and any(t != "full_attention" for t in text.layer_types):
         return None
-    kv_heads = getattr(text, "num_key_value_heads", None) or heads
-    head_dim = getattr(text, "head_dim", None) or hidden // heads
-    return 2 * layers * max(1, kv_heads // tp) * head_dim * dtype.itemsize
+    return plain_kv_bytes_per_token(config, dtype, tp)
 
 
 def kv_cache_for_batch(config, dtype: torch.dtype, *, batch_tokens: int | None, max_model_len: int, tp: int = 1,

@@ -84,6 +84,15 @@ def weight_spec_of(model_path: str, mesh: MeshSpec, dtype: torch.dtype) -> Weigh
     return WeightSpec(mesh, params, tied_aliases(model))
 
 
+def kv_bytes_per_token(config, dtype: torch.dtype, tp: int = 1) -> int:
+    """Bytes of keys and values one token takes on one of `tp` ranks in every attention layer of the model
+    of transformers `config` (its text model's), at `dtype`."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    kv_heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    return 2 * text.num_hidden_layers * max(1, kv_heads // tp) * head_dim * dtype.itemsize
+
+
 def write_hf_folder(path: str, hf_model: nn.Module, state: dict[str, torch.Tensor], source: str,
                     value_head: bool = False) -> None:
     """Write `state` as a Hugging Face folder of `hf_model`'s class and config, with `source`'s tokenizer;

@@ -81,7 +81,7 @@ def check_config(cfg: Config) -> str:
     for key, model in (("model.path", cfg.model.path), ("reward.model", cfg.reward.model)):
         if model and not known_model(model):
             raise ConfigError(f"{key}: {unknown_model(model)}")
-    if cfg.agent.enabled(None if cfg.data.path else cfg.data.task):  # a tool or environment that does not load
+    if cfg.episodes():  # a tool or environment that does not load
         from .agent import load_environment, load_tools
 
         load_tools(cfg.agent.tools)

@@ -77,8 +77,8 @@ def tool_warmup(base: str, out: str | Path, rows: list[dict], *, steps: int = 30
     episodes, masks = [], []
     for row in rows:
         expression = row["prompt"].rstrip("=")
-        call, result = encode(f"<calc>{expression}</calc>"), encode(f"<result>{calc(expression)}</result>")
         value = calc(expression)
+        call, result = encode(f"<calc>{expression}</calc>"), encode(f"<result>{value}</result>")
         final = rng.choice(pool) if answers == "shuffled" else near_miss(value, rng)
         answer = encode(final) + [tokenizer.eos_token_id]
         episodes.append(call + result + answer)

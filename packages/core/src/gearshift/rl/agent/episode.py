@@ -83,10 +83,9 @@ class Agent:
         when its samples are single completions."""
         from ..tasks import TASK_AGENTS
 
-        task = None if config.data.path else config.data.task
-        if not config.agent.enabled(task):
+        if not config.episodes():
             return None
-        own = TASK_AGENTS.get(task, {})
+        own = TASK_AGENTS.get(config.builtin_task(), {})
         agent_cfg = replace(config.agent, tools=[*own.get("tools", []), *config.agent.tools],
                             environment=config.agent.environment or own.get("environment"))
         return cls(agent_cfg, tokenizer, max_model_len=max_model_len)

@@ -74,7 +74,7 @@ class Config(Section):
         return []
 
     def _agent_problems(self) -> list[str]:
-        if not self.agent.enabled(None if self.data.path else self.data.task):
+        if not self.episodes():
             return []
         return self.agent.limit_problems(max_prompt_len=self.data.max_prompt_len,
                                          max_model_len=self.rollout.max_model_len, turn_tokens=self.rollout.max_tokens)
@@ -187,12 +187,19 @@ class Config(Section):
         """The rollout engine's dtype: `rollout.dtype`, or training's (`model.dtype`)."""
         return self.rollout.dtype or self.model.dtype
 
+    def builtin_task(self) -> str | None:
+        """The built-in task the rows come from (`data.task`), or None when `data.path` names a dataset."""
+        return None if self.data.path else self.data.task
+
+    def episodes(self) -> bool:
+        """Whether samples are episodes: the agent section names a tool or an environment, or the built-in
+        task has one."""
+        return self.agent.enabled(self.builtin_task())
+
     def rollout_batch_tokens(self) -> int:
         """Tokens a step's rollout holds at once: every sample's prompt and answer, or its whole episode when
         episodes run (the rollout engine's `max_batch_tokens`)."""
-        task = None if self.data.path else self.data.task
-        answer = max(self.rollout.max_tokens, self.agent.max_tokens) if self.agent.enabled(task) else \
-            self.rollout.max_tokens
+        answer = max(self.rollout.max_tokens, self.agent.max_tokens) if self.episodes() else self.rollout.max_tokens
         return self.run.prompts_per_step * self.rollout.n * (self.data.max_prompt_len + answer)
 
     def resharder(self) -> str:

@@ -191,7 +191,7 @@ class SplitController:
         state = self.data.state_dict()
         rows = self.data.next_batch(cfg.run.prompts_per_step)
         scored_there = self.reward_model_path is not None and cfg.run.pools.reward_model == "rollout"
-        scored_there = scored_there or cfg.agent.enabled(None if cfg.data.path else cfg.data.task)  # rows: episodes'
+        scored_there = scored_there or cfg.episodes()  # rows: episodes'
         per_rank = []
         for j in range(pool.size):
             mine = rows[j::pool.size]
