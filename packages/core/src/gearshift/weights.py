@@ -249,7 +249,7 @@ def copy_weights_(dsts: list[torch.Tensor], srcs: list[torch.Tensor], large: int
     ones one by one."""
     small_d, small_s = [], []
     for d, s in zip(dsts, srcs, strict=True):
-        if d.numel() * d.element_size() >= large:
+        if d.nbytes >= large:
             d.copy_(s)
         else:
             small_d.append(d)
