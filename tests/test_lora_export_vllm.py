@@ -14,6 +14,7 @@ from gearshift.conformance.train import fixed_batch, nll
 from gearshift.train import TrainBatch
 
 
+@pytest.mark.slow  # ~90 s; the adapter sync below and test_export_loads_in_vllm.py stay in the fast set
 def test_merged_lora_export_loads_in_vllm_and_agrees_with_training(gearshift_model, tmp_path):
     pytest.importorskip("peft")
     if not any(b.name == "vllm" and b.ready for b in registry.list_backends("rollout")):

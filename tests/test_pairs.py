@@ -10,13 +10,17 @@ from gearshift import registry
 
 PAIRS = [("torch", "hf"), ("fsdp", "hf"), ("torch", "vllm"), ("fsdp", "vllm"), ("deepspeed", "hf"),
          ("fsdp", "sglang")]
+#: 50-120 s a pair on 2 cores; torch + hf also runs in CI's first command (`gearshift conformance --train torch
+#: --rollout hf`), and each backend's own package suite pairs it with another engine
+SLOW = {("torch", "hf"), ("fsdp", "hf"), ("torch", "vllm")}
 
 
 def _ready(kind: str, name: str) -> bool:
     return any(b.name == name and b.ready for b in registry.list_backends(kind))
 
 
-@pytest.mark.parametrize("train,rollout", PAIRS, ids=[f"{t}-{r}" for t, r in PAIRS])
+@pytest.mark.parametrize("train,rollout", [pytest.param(t, r, id=f"{t}-{r}", marks=[pytest.mark.slow] if (t, r) in SLOW
+                                                        else []) for t, r in PAIRS])
 def test_conformance_of_pair(train, rollout, tmp_path):
     missing = [f"{k} {n}" for k, n in (("train", train), ("rollout", rollout)) if not _ready(k, n)]
     if missing and os.environ.get("CI"):

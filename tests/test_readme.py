@@ -124,7 +124,11 @@ def test_a_training_command_is_a_configuration_that_can_run(cmd, tmp_path):
     assert run.returncode == 0 and "the configuration can run" in run.stdout, run.stdout + run.stderr
 
 
-@pytest.mark.parametrize("cmd", _by("run"))
+#: commands that run 80-140 s on 2 cores: run with --runslow
+SLOW_RUNS = {"gearshift bench rollout --backends hf,vllm", "python tools/simulate_plan.py"}
+
+
+@pytest.mark.parametrize("cmd", [pytest.param(c, marks=[pytest.mark.slow] if c in SLOW_RUNS else []) for c in _by("run")])
 def test_a_command_runs_as_written(cmd, tmp_path):
     expect = HOW[cmd][1]
     if cmd.startswith("python "):

@@ -57,8 +57,10 @@ def test_a_rank_whose_samples_are_all_dropped_does_not_hang_the_others(gearshift
     assert "not trained" in proc.stdout
 
 
-@pytest.mark.parametrize("layout", [("train.mesh=tp=2", "rollout.mesh=tp=2"), ("train.mesh=sp=2",),
-                                    ("train.mesh=dp=2", "rollout.mesh=tp=2")], ids=" ".join)
+@pytest.mark.parametrize("layout", [  # the dp x tp layout stays fast: it meets a tp rollout engine and dp ranks
+    pytest.param(("train.mesh=tp=2", "rollout.mesh=tp=2"), id="train.mesh=tp=2 rollout.mesh=tp=2", marks=pytest.mark.slow),
+    pytest.param(("train.mesh=sp=2",), id="train.mesh=sp=2", marks=pytest.mark.slow),
+    pytest.param(("train.mesh=dp=2", "rollout.mesh=tp=2"), id="train.mesh=dp=2 rollout.mesh=tp=2")])
 def test_grpo_with_tensor_and_sequence_parallelism(layout, tmp_path):
     """tp and sp peers get the same prompts and samples; a tp rollout engine's ranks generate together."""
     if not any(b.name == "fsdp" and b.ready for b in registry.list_backends("train")):

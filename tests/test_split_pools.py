@@ -21,6 +21,7 @@ def length(completion, **row):
     return float(len(completion))
 
 
+@pytest.mark.slow  # ~220 s: a Ray cluster of four pools; packages/core/tests/test_split.py keeps split placement fast
 def test_an_fsdp_pool_sends_each_rollout_replica_its_shards_and_nothing_is_gathered(gearshift_ray_cluster,
                                                                                   gearshift_model, tmp_path):
     import ray
