@@ -132,12 +132,15 @@ class HFRolloutEngine(RolloutEngine):
             ids[i, width - len(p):] = torch.tensor(p)
             mask[i, width - len(p):] = 1
         eos = [self.tokenizer.eos_token_id, *sampling.stop_token_ids]
+        ids, mask = ids.to(self.device), mask.to(self.device)
         kwargs = dict(
-            input_ids=ids.to(self.device), attention_mask=mask.to(self.device),
+            input_ids=ids, attention_mask=mask,
             max_new_tokens=min(sampling.max_tokens, self.max_model_len - width),
             num_return_sequences=sampling.n, eos_token_id=eos, pad_token_id=self._pad,
             output_logits=True, return_dict_in_generate=True, use_cache=True,
         )
+        if sampling.n > 1 and width > 1:
+            kwargs.update(self._shared_prefill(ids, mask, sampling.n))
         if sampling.greedy:
             kwargs.update(do_sample=False, temperature=None, top_p=None, top_k=None)
         else:
@@ -165,6 +168,21 @@ class HFRolloutEngine(RolloutEngine):
                 text=text_before_stop(self.tokenizer.decode(tokens[:n], skip_special_tokens=True), sampling.stop),
             ))
         return rollouts
+
+    def _shared_prefill(self, ids: torch.Tensor, mask: torch.Tensor, n: int) -> dict:
+        """The KV cache of each prompt but its last token, computed once and repeated for its `n` samples.
+
+        `generate` with `num_return_sequences=n` repeats every prompt n times before its first forward, so the
+        prompt is computed n times over. Here the prompts go through the model once, the cache is repeated row
+        by row, and `generate` starts from it: it runs only the last prompt token and the new ones, at the
+        positions it would have given them (left padding counted out, as `generate` counts it)."""
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        out = self.model(input_ids=ids[:, :-1], attention_mask=mask[:, :-1], position_ids=positions[:, :-1],
+                         use_cache=True)
+        cache = out.past_key_values
+        cache.batch_repeat_interleave(n)
+        return dict(input_ids=ids.repeat_interleave(n, dim=0), attention_mask=mask.repeat_interleave(n, dim=0),
+                    past_key_values=cache, num_return_sequences=1)
 
     def _finish(self, tokens: list[int], eos: set[int], stop: tuple[str, ...]) -> tuple[int, str]:
         """Length and finish reason, found again from the tokens (finished rows are padded after)."""
