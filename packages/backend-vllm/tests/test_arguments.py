@@ -25,6 +25,15 @@ def test_cpu_defaults_in_one_process():
     assert "enable_lora" not in kwargs
 
 
+def test_a_cpu_step_takes_whole_prompts_and_holds_the_longest():
+    # a prompt split over steps makes vLLM rewind its seeded generator, which a CPU generator cannot do
+    kwargs = arguments(RolloutArgs(model="m", max_model_len=256))
+    assert kwargs["enable_chunked_prefill"] is False and kwargs["max_num_batched_tokens"] == 8192
+    assert arguments(context=32768)["max_num_batched_tokens"] == 32768
+    gpu = arguments(on_gpu=True, context=32768)
+    assert "enable_chunked_prefill" not in gpu and "max_num_batched_tokens" not in gpu
+
+
 def test_several_ranks_run_under_the_external_launcher_and_tp_is_the_mesh():
     kwargs = arguments(tp=2, world_size=4)
     assert kwargs["distributed_executor_backend"] == "external_launcher"

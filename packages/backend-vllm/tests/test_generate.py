@@ -70,3 +70,13 @@ def test_token_ids_outside_the_vocabulary_are_a_clear_error(engine):
     with pytest.raises(RolloutError, match="outside"):
         engine.generate([[1, 2, 10**6]], SamplingParams(max_tokens=2))
     assert len(engine.generate(PROMPTS, SamplingParams(max_tokens=2))) == len(PROMPTS)
+
+
+def test_seeded_prompts_over_one_step_of_tokens_generate(engine):
+    """More prompt tokens than vLLM schedules in one step, seeded: on a CPU a prompt split over two steps made
+    vLLM rewind its generator, which a CPU generator cannot do (`CPU Generator does not use offset`)."""
+    prompts = [[(7 * i + j) % 200 + 1 for j in range(90)] for i in range(40)]  # 3,600 prompt tokens
+    sampling = SamplingParams(n=2, temperature=1.0, max_tokens=4, seed=3)
+    out = engine.generate(prompts, sampling)
+    assert len(out) == 80 and all(len(r.token_ids) == 4 for r in out)
+    assert [r.token_ids for r in engine.generate(prompts, sampling)] == [r.token_ids for r in out]

@@ -21,6 +21,8 @@ from gearshift.rollout import RolloutArgs, RolloutError, kv_tokens_for_batch
 from .cpu_loader import choose_layout
 
 DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30
+#: the prompt tokens one CPU step takes at least (vLLM's default budget is 2,048)
+CPU_BATCHED_TOKENS = 8192
 
 
 @dataclass(frozen=True)
@@ -56,7 +58,8 @@ def cpu_layout(options, dtype: torch.dtype, on_gpu: bool) -> str | None:
 
 
 def engine_arguments(args: RolloutArgs, options, *, tp: int, world_size: int, on_gpu: bool,
-                     lora_ranks: Sequence[int] | None = None, kv_for_batch: int | None = None) -> dict[str, Any]:
+                     lora_ranks: Sequence[int] | None = None, kv_for_batch: int | None = None,
+                     context: int | None = None) -> dict[str, Any]:
     """The keyword arguments of `vllm.LLM` for `args` and the engine's `options`, on `world_size` ranks with
     `tp` of them per engine, on a GPU or a CPU.
 
@@ -64,7 +67,8 @@ def engine_arguments(args: RolloutArgs, options, *, tp: int, world_size: int, on
     combination vLLM would fail on, naming the option to change. The CPU plain layout's `load_format` is
     left for the engine to fill in (it registers the loader with vLLM). `kv_for_batch`: the KV-cache bytes the
     rollout's batch needs (`kv_cache_for_batch`), reserved on a GPU instead of vLLM's share when the options
-    let it; None: not known, or more than the share leaves.
+    let it; None: not known, or more than the share leaves. `context`: the longest sequence the engine serves
+    (`max_model_len`, else the model's own limit), which one CPU step must hold.
     """
     kwargs: dict[str, Any] = dict(
         model=args.model, dtype=args.dtype, seed=args.seed, max_model_len=args.max_model_len,
@@ -87,6 +91,12 @@ def engine_arguments(args: RolloutArgs, options, *, tp: int, world_size: int, on
             kwargs["kv_cache_memory_bytes"] = int(kv_for_batch)
     else:
         kwargs["kv_cache_memory_bytes"] = int(options.kv_cache_bytes or DEFAULT_CPU_KV_CACHE_BYTES)
+        # A prompt split over two steps (chunked prefill) makes vLLM rewind that request's generator after the
+        # first part, which only a CUDA generator can do: a seeded request fails on a CPU with "CPU Generator
+        # does not use offset". Whole prompts only, and a step that holds the longest (vLLM's own CPU answer
+        # for MLA models).
+        kwargs.update(enable_chunked_prefill=False,
+                      max_num_batched_tokens=max(int(context or args.max_model_len or 0), CPU_BATCHED_TOKENS))
     kwargs.update(options.engine_kwargs)
     check_layout(args, kwargs, on_gpu, cpu_layout(options, args.torch_dtype, on_gpu))
     return kwargs

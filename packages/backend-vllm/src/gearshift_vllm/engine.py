@@ -132,7 +132,8 @@ class VLLMRolloutEngine(RolloutEngine):
             self._vllm = vllm
             kwargs = engine_arguments(self.args, self.options, tp=self.mesh.tp, world_size=gdist.world_size(),
                                       on_gpu=self.on_gpu, lora_ranks=lora_ranks() if self.args.max_lora_rank else None,
-                                      kv_for_batch=self._kv_for_batch(config) if self.on_gpu else None)
+                                      kv_for_batch=self._kv_for_batch(config) if self.on_gpu else None,
+                                      context=self._context(config))
             check_architecture(vllm, config)
             if self.on_gpu:
                 check_sleep_allocator_free()
@@ -150,10 +151,14 @@ class VLLMRolloutEngine(RolloutEngine):
         self._call_env = {**{k: now for k, (_, now) in host.changed_env.items() if now is not None},
                           **self._call_env}
 
+    def _context(self, config) -> int | None:
+        """The longest sequence the engine serves: `max_model_len`, else the model's own limit."""
+        return self.args.max_model_len or getattr(config.get_text_config(), "max_position_embeddings", None)
+
     def _kv_for_batch(self, config) -> int | None:
         """The KV cache this engine's share of the rollout's batch needs (`max_batch_tokens`), when less than
         vLLM's share of the device leaves beside the weights; None: vLLM sizes it."""
-        context = self.args.max_model_len or getattr(config.get_text_config(), "max_position_embeddings", None)
+        context = self._context(config)
         weights = sum(p.nbytes for p in self._spec.params) / self.mesh.tp
         total = torch.cuda.get_device_properties(self.device).total_memory
         return kv_cache_for_batch(config, self.dtype, batch_tokens=self.args.max_batch_tokens,
