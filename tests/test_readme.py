@@ -48,7 +48,7 @@ HOW: dict[str, tuple[str, str]] = {
     "model.path=/shared/models/m run.output_dir=/shared/runs/r": ("parse", "a cluster's shared folders"),
     "gearshift train algorithm.name=ppo run.seed=3": ("check", ""),
     "gearshift train data.task=calc model.path=small-calc rollout.backend=hf train.backend=torch run.steps=200 "
-    "run.prompts_per_step=16 rollout.max_tokens=20 agent.max_tokens=48 agent.max_turns=3": ("check", ""),
+    "run.prompts_per_step=16 rollout.max_tokens=20 agent.max_tokens=48 agent.max_turns=3 train.lr=1e-4": ("check", ""),
     "gearshift train data.task=guess rollout.max_tokens=3 agent.max_turns=4 agent.max_tokens=32": ("check", ""),
     "gearshift bench step rollout.backend=hf train.backend=torch --steps 6": ("run", "% of the step"),
     "gearshift bench switch --train torch --rollout hf --model bench100m": ("run", "naive"),
