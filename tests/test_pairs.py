@@ -19,8 +19,8 @@ def _ready(kind: str, name: str) -> bool:
     return any(b.name == name and b.ready for b in registry.list_backends(kind))
 
 
-@pytest.mark.parametrize("train,rollout", [pytest.param(t, r, id=f"{t}-{r}", marks=[pytest.mark.slow] if (t, r) in SLOW
-                                                        else []) for t, r in PAIRS])
+@pytest.mark.parametrize("train,rollout", [
+    pytest.param(t, r, id=f"{t}-{r}", marks=[pytest.mark.slow] if (t, r) in SLOW else []) for t, r in PAIRS])
 def test_conformance_of_pair(train, rollout, tmp_path):
     missing = [f"{k} {n}" for k, n in (("train", train), ("rollout", rollout)) if not _ready(k, n)]
     if missing and os.environ.get("CI"):

@@ -95,6 +95,8 @@ def test_every_readme_command_is_run_somewhere():
     assert not missing, f"README commands nothing runs: {missing}; add each to HOW in {__file__}"
     stale = [c for c in HOW if c not in COMMANDS]
     assert not stale, f"HOW lists commands the README no longer has: {stale}"
+    stale_slow = sorted(SLOW_RUNS - set(_by("run")))
+    assert not stale_slow, f"SLOW_RUNS lists commands HOW does not run: {stale_slow}"
 
 
 def test_ci_runs_the_two_fresh_machine_commands_as_written():
@@ -128,7 +130,8 @@ def test_a_training_command_is_a_configuration_that_can_run(cmd, tmp_path):
 SLOW_RUNS = {"gearshift bench rollout --backends hf,vllm", "python tools/simulate_plan.py"}
 
 
-@pytest.mark.parametrize("cmd", [pytest.param(c, marks=[pytest.mark.slow] if c in SLOW_RUNS else []) for c in _by("run")])
+@pytest.mark.parametrize("cmd", [pytest.param(c, marks=[pytest.mark.slow] if c in SLOW_RUNS else [])
+                                 for c in _by("run")])
 def test_a_command_runs_as_written(cmd, tmp_path):
     expect = HOW[cmd][1]
     if cmd.startswith("python "):

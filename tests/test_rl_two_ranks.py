@@ -58,7 +58,8 @@ def test_a_rank_whose_samples_are_all_dropped_does_not_hang_the_others(gearshift
 
 
 @pytest.mark.parametrize("layout", [  # the dp x tp layout stays fast: it meets a tp rollout engine and dp ranks
-    pytest.param(("train.mesh=tp=2", "rollout.mesh=tp=2"), id="train.mesh=tp=2 rollout.mesh=tp=2", marks=pytest.mark.slow),
+    pytest.param(("train.mesh=tp=2", "rollout.mesh=tp=2"), id="train.mesh=tp=2 rollout.mesh=tp=2",
+                 marks=pytest.mark.slow),
     pytest.param(("train.mesh=sp=2",), id="train.mesh=sp=2", marks=pytest.mark.slow),
     pytest.param(("train.mesh=dp=2", "rollout.mesh=tp=2"), id="train.mesh=dp=2 rollout.mesh=tp=2")])
 def test_grpo_with_tensor_and_sequence_parallelism(layout, tmp_path):
