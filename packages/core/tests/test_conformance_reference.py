@@ -20,10 +20,34 @@ class TestHFRollout(RolloutEngineSuite):
 
 
 class TestTorchTrain(TrainEngineSuite):
+    """Also checks that the suite closes every engine a test builds: one merely dropped may stay on the device
+    (ZeRO-3 keeps its model on a module-level stack), and the next test's engine would not fit beside it."""
     train_backend = TorchTrainEngine
+    built: list = []
+
     @pytest.fixture
     def train_engine_factory(self, gearshift_model):
-        return lambda **kw: TorchTrainEngine.build(gearshift_model, **kw)
+        def build(**kw):
+            engine = TorchTrainEngine.build(gearshift_model, **kw)
+            close = engine.close
+            engine.closed = False
+
+            def closing():
+                engine.closed = True
+                close()
+
+            engine.close = closing
+            self.built.append(engine)
+            return engine
+
+        return build
+
+    @pytest.fixture(autouse=True)
+    def _every_engine_closed(self):  # set up before new_train_engine, so torn down after it
+        self.built.clear()
+        yield
+        assert self.built and all(e.closed for e in self.built), \
+            f"{sum(not e.closed for e in self.built)} of {len(self.built)} engines left open"
 
 
 class TestTorchHFPair(PairSuite):

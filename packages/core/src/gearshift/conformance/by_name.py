@@ -71,7 +71,9 @@ class TestPair(PairSuite):
     @pytest.fixture(scope="class")
     @classmethod
     def train_engine(cls, named_train_factory):
-        return named_train_factory(lr=1e-2)
+        engine = named_train_factory(lr=1e-2)
+        yield engine
+        engine.close()
 
     @pytest.fixture
     def rollout_engine(self, named_rollout_engine):

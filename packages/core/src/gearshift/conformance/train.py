@@ -9,6 +9,8 @@ marks the tests it is known to fail where it runs.
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 import torch
 
@@ -58,10 +60,32 @@ class TrainEngineSuite:
             f"    @pytest.fixture\n    def train_engine_factory(self, gearshift_model):\n"
             f"        return lambda **kw: MyTrainer.build(gearshift_model, **kw)")
 
-    def test_forward_logprobs_match_transformers(self, train_engine_factory, gearshift_model):
+    @pytest.fixture
+    def new_train_engine(self, train_engine_factory):
+        """`train_engine_factory`, with every engine a test builds closed when the test ends.
+
+        An engine the test merely drops may never be collected (ZeRO-3 keeps its model on a module-level
+        stack), so without `close` each test's engine would stay on the device beside the next one's.
+        """
+        built = []
+
+        def build(**options):
+            engine = train_engine_factory(**options)
+            built.append(engine)
+            return engine
+
+        yield build
+        for engine in built:
+            engine.close()
+        del built[:]
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+    def test_forward_logprobs_match_transformers(self, new_train_engine, gearshift_model):
         from transformers import AutoModelForCausalLM
 
-        engine = train_engine_factory(lr=self.lr)
+        engine = new_train_engine(lr=self.lr)
         batch = fixed_batch()
         got = engine.forward_logprobs(batch, with_entropy=True)
         ref_model = AutoModelForCausalLM.from_pretrained(gearshift_model, dtype=torch.float32)
@@ -76,21 +100,21 @@ class TrainEngineSuite:
         assert diff <= max(self.logprob_atol, tolerances(engine)[0])
         assert got.logprobs.shape == batch.input_ids.shape and got.entropy.shape == batch.input_ids.shape
 
-    def test_train_step_lowers_loss(self, train_engine_factory):
-        engine = train_engine_factory(lr=self.lr)
+    def test_train_step_lowers_loss(self, new_train_engine):
+        engine = new_train_engine(lr=self.lr)
         batch = fixed_batch()
         losses = [engine.train_step(batch, nll)["loss"] for _ in range(5)]
         assert all(l == l for l in losses), losses  # no NaN
         # the best loss after stepping, not the last: a large model at the suite's lr may overshoot once
         assert min(losses[1:]) < losses[0] - 0.1, losses
 
-    def test_train_step_returns_loss_grad_norm_and_lr_the_same_on_every_rank(self, train_engine_factory):
-        engine = train_engine_factory(lr=self.lr, micro_batch_size=2)
+    def test_train_step_returns_loss_grad_norm_and_lr_the_same_on_every_rank(self, new_train_engine):
+        engine = new_train_engine(lr=self.lr, micro_batch_size=2)
         metrics = engine.train_step(fixed_batch(), nll)
         for key in ("loss", "grad_norm", "lr", "entropy"):  # entropy: the loss function's own metric
             assert isinstance(metrics.get(key), float), f"train_step must return a float {key!r}: {metrics}"
         assert metrics["lr"] == pytest.approx(self.lr) and metrics["grad_norm"] > 0
-        whole = train_engine_factory(lr=self.lr).train_step(fixed_batch(), nll)
+        whole = new_train_engine(lr=self.lr).train_step(fixed_batch(), nll)
         rtol = tolerances(engine)[1]  # other batch shapes round differently below float32
         assert metrics["loss"] == pytest.approx(whole["loss"], rel=rtol), "micro-batching changed the loss"
         if gdist.is_distributed():
@@ -100,8 +124,8 @@ class TrainEngineSuite:
             dist.all_gather_object(everyone, metrics)
             assert all(m == metrics for m in everyone), f"ranks returned different metrics: {everyone}"
 
-    def test_exported_weights_equal_the_model(self, train_engine_factory, gearshift_model):
-        engine = train_engine_factory(lr=self.lr)
+    def test_exported_weights_equal_the_model(self, new_train_engine, gearshift_model):
+        engine = new_train_engine(lr=self.lr)
         spec = engine.weight_spec()
         start = full_weights(engine)
         assert_same(start, reference_weights(gearshift_model, spec.replicated()))
@@ -113,8 +137,8 @@ class TrainEngineSuite:
         streamed = {k: v.cpu() for b in small for k, v in b.items()}
         assert_same(streamed, after)
 
-    def test_offload_onload_round_trip_is_bit_exact(self, train_engine_factory):
-        a, b = train_engine_factory(lr=self.lr), train_engine_factory(lr=self.lr)
+    def test_offload_onload_round_trip_is_bit_exact(self, new_train_engine):
+        a, b = new_train_engine(lr=self.lr), new_train_engine(lr=self.lr)
         batch = fixed_batch()
         a.train_step(batch, nll)
         b.train_step(batch, nll)
@@ -125,8 +149,8 @@ class TrainEngineSuite:
         b.train_step(batch, nll)
         assert_same(full_weights(a), full_weights(b))
 
-    def test_save_load_round_trip(self, train_engine_factory, gearshift_shared_tmp):
-        engine = train_engine_factory(lr=self.lr)
+    def test_save_load_round_trip(self, new_train_engine, gearshift_shared_tmp):
+        engine = new_train_engine(lr=self.lr)
         batch = fixed_batch()
         engine.train_step(batch, nll)
         engine.save(str(gearshift_shared_tmp / "ckpt"))
@@ -137,10 +161,10 @@ class TrainEngineSuite:
         assert_same(full_weights(engine), saved)
         assert engine.train_step(batch, nll)["loss"] == pytest.approx(next_ref, rel=1e-5)
 
-    def test_save_hf_loads_with_transformers(self, train_engine_factory, gearshift_shared_tmp):
+    def test_save_hf_loads_with_transformers(self, new_train_engine, gearshift_shared_tmp):
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        engine = train_engine_factory(lr=self.lr)
+        engine = new_train_engine(lr=self.lr)
         engine.train_step(fixed_batch(), nll)
         path = gearshift_shared_tmp / "hf"
         engine.save_hf(str(path))
@@ -150,8 +174,8 @@ class TrainEngineSuite:
         theirs = dict(loaded.named_parameters())
         assert_same(mine, {k: theirs[k].detach() for k in mine})
 
-    def test_bad_input_is_a_clear_error(self, train_engine_factory):
-        engine = train_engine_factory(lr=self.lr)
+    def test_bad_input_is_a_clear_error(self, new_train_engine):
+        engine = new_train_engine(lr=self.lr)
         with pytest.raises(ValueError, match="unknown tags"):
             engine.offload(["no_such_tag"])
         with pytest.raises(ValueError, match="shape"):
