@@ -36,7 +36,7 @@ EOF
     for pair in ${PAIRS:-fsdp/vllm deepspeed/vllm fsdp/hf deepspeed/hf}; do
       t=${pair%/*}; r=${pair#*/}
       opts='{}'; [ "$t" = deepspeed ] && opts='{"zero_stage": 3}'
-      timeout 200 python3 -m gearshift conformance --train "$t" --rollout "$r" --model qwen2-0.5b \
+      timeout "${CONF_LIMIT:-320}" python3 -m gearshift conformance --train "$t" --rollout "$r" --model qwen2-0.5b \
         --train-options "$opts" --rollout-options "$bf16" -- -rfE -p no:logging 2>&1 | quiet \
         | tee "$out/conformance-${t}-${r}.log" | grep -E "passed|failed|FAILED|Error" | tail -6
     done ;;
