@@ -23,6 +23,13 @@ out=${OUT:-/tmp/out}
 mkdir -p "$out"
 source tools/gpu/vllm_env.sh  # the gearshift wheels (and the vLLM carry, where it came along) into /tmp/site
 bash .carry-sglang/dev/install.sh || exit 1
+# SGLang 0.5.17 registers configs that transformers 5.17 (the image's) already has ("'qwen3_asr' is already used
+# by a Transformers config"): its runs take the transformers it pins, 5.12.1, and a tokenizers that one accepts,
+# from their own folder ahead of /tmp/site (vLLM's runs keep the image's)
+if [ -d .whl-tf ] && [ ! -d /tmp/site-tf/transformers ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site-tf .whl-tf/*.whl 2>&1 | tail -3
+fi
+[ -d /tmp/site-tf/transformers ] && export PYTHONPATH=/tmp/site-tf:$PYTHONPATH
 # flashinfer (SGLang's sampler) compiles its kernels on first use: keep them under /tmp with the rest
 export FLASHINFER_WORKSPACE_BASE=/tmp/flashinfer SGLANG_CACHE_DIR=/tmp/sglang_cache
 bf16='{"dtype": "bfloat16"}'
