@@ -23,13 +23,8 @@ out=${OUT:-/tmp/out}
 mkdir -p "$out"
 source tools/gpu/vllm_env.sh  # the gearshift wheels (and the vLLM carry, where it came along) into /tmp/site
 bash .carry-sglang/dev/install.sh || exit 1
-# SGLang 0.5.17 registers configs that transformers 5.17 (the image's) already has ("'qwen3_asr' is already used
-# by a Transformers config"): its runs take the transformers it pins, 5.12.1, and a tokenizers that one accepts,
-# from their own folder ahead of /tmp/site (vLLM's runs keep the image's)
-if [ -d .whl-tf ] && [ ! -d /tmp/site-tf/transformers ]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site-tf .whl-tf/*.whl 2>&1 | tail -3
-fi
-[ -d /tmp/site-tf/transformers ] && export PYTHONPATH=/tmp/site-tf:$PYTHONPATH
+# the transformers SGLang 0.5.17 pins (sglang_h200/own.txt), ahead of the image's for SGLang's runs only
+export PYTHONPATH=/tmp/site-sglang:$PYTHONPATH
 # flashinfer (SGLang's sampler) compiles its kernels on first use: keep them under /tmp with the rest
 export FLASHINFER_WORKSPACE_BASE=/tmp/flashinfer SGLANG_CACHE_DIR=/tmp/sglang_cache
 bf16='{"dtype": "bfloat16"}'
@@ -40,7 +35,7 @@ for what in "$@"; do
     conformance)
       for t in ${TRAINS:-fsdp deepspeed}; do
         opts='{}'; [ "$t" = deepspeed ] && opts='{"zero_stage": 3}'
-        timeout "${LIMIT:-280}" python3 -m gearshift conformance --train "$t" --rollout sglang --model qwen2-0.5b \
+        timeout "${LIMIT:-420}" python3 -m gearshift conformance --train "$t" --rollout sglang --model qwen2-0.5b \
           --train-options "$opts" --rollout-options "$bf16" -- -rfEx -p no:logging 2>&1 | quiet \
           | tee "$out/conformance-${t}-sglang.log" | grep -E "passed|failed|FAILED|XPASS|XFAIL|Error" | tail -8
       done ;;

@@ -14,14 +14,18 @@ C=.carry-sglang; mkdir -p $C/wheels
 SGLANG=sglang==0.5.17
 PLAT="--platform manylinux_2_34_x86_64 --platform manylinux_2_31_x86_64 --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_24_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 --platform manylinux1_x86_64"
 specs=("$SGLANG" $(grep -v '^#' "$here/deps.txt"))
-for spec in "${specs[@]}"; do
+own=($(grep -v '^#' "$here/own.txt"))  # installed into a folder of their own: see own.txt
+fetch() {
   python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp $PLAT \
-    -d $C/wheels "$spec" 2>&1 | grep -v "^WARNING: Location" || true
-done
+    -d "$1" "$2" 2>&1 | grep -v "^WARNING: Location" || true
+}
+for spec in "${specs[@]}"; do fetch $C/wheels "$spec"; done
+for spec in "${own[@]}"; do fetch $C/wheels/own "$spec"; done
 n=$(ls $C/wheels/*.whl | wc -l); echo "$n wheels, $(du -cb $C/wheels/*.whl | tail -1)"
 [ "$n" = "${#specs[@]}" ] || { echo "expected ${#specs[@]} wheels (one version of each); clear $C/wheels and rerun"; exit 1; }
+[ "$(ls $C/wheels/own/*.whl | wc -l)" = "${#own[@]}" ] || { echo "expected ${#own[@]} wheels in $C/wheels/own"; exit 1; }
 rm -rf $C/c[0-9]* $C/stage $C/dev && mkdir -p $C/stage $C/dev
-(cd $C/wheels && tar cf - *.whl) | (cd $C/stage && split -b 60m -d -a 2 - part.)
+(cd $C/wheels && tar cf - *.whl own/*.whl) | (cd $C/stage && split -b 60m -d -a 2 - part.)
 (cd $C/stage && sha256sum part.*) > $C/dev/parts.sha256
 i=1; for p in $C/stage/part.*; do d=$(printf '%s/c%02d' $C $i); mkdir -p $d; mv $p $d/; i=$((i+1)); done; rmdir $C/stage
 cp "$here/install.sh" $C/dev/
