@@ -7,9 +7,10 @@ global gradient norm and the step. At stage 1 and 2 every rank holds every
 weight whole, so the weight spec says so and an export is a view of them. At
 stage 3 the weights live as flat partitions with no per-dimension layout: the
 spec again says each weight is whole on every rank, and an export gathers them
-bucket by bucket (`materialized`: `GatheredParameters` on one bucket's
-parameters), so it never holds more than one bucket of gathered weights. The
-engine adds DeepSpeed's own offload (`offload_states`) and checkpoints.
+bucket by bucket (`materialized`: one all-gather of the bucket's partitions, or
+`GatheredParameters` on its parameters with LoRA), so it never holds more than
+one bucket of gathered weights. The engine adds DeepSpeed's own offload
+(`offload_states`) and checkpoints.
 """
 
 from __future__ import annotations
@@ -65,7 +66,8 @@ class DeepSpeedTrainEngine(ModuleTrainEngine):
             zero_stage=options.zero_stage, compute_dtype=compute_dtype(options.param_dtype, args.torch_dtype, device),
             lr=args.lr, weight_decay=args.weight_decay, betas=options.betas, max_grad_norm=args.max_grad_norm,
             offload_params=options.offload_params, offload_optimizer=options.offload_optimizer,
-            fused_optimizer=options.fused_optimizer, overrides=options.config)
+            fused_optimizer=options.fused_optimizer, overrides=options.config,
+            gather_partitions=not options.lora_r)  # LoRA's merge reads whole parameters: GatheredParameters
         self.zero_stage = sharding.zero_stage
         super().__init__(args, options, sharding)
         self.ds = sharding.engine

@@ -6,12 +6,15 @@ weighs), the reduction, clipping, the global gradient norm and the step. At
 stage 1 and 2 every rank holds every weight whole. At stage 3 the weights live
 as flat partitions with no per-dimension layout: each is described as whole on
 every rank (its shape kept in `ds_shape`) and gathered only around a bucket of
-an export (`materialized`), so a rollout engine cannot serve from them.
+an export (`materialized`), so a rollout engine cannot serve from them. The
+gather reads the partitions themselves, one all-gather per bucket (gather.py);
+`local(param)` is the whole weight inside it.
 """
 
 from __future__ import annotations
 
-from contextlib import AbstractContextManager, nullcontext
+from contextlib import AbstractContextManager, contextmanager, nullcontext
+from typing import Iterator, Sequence
 
 import torch
 from gearshift.mesh import MeshSpec
@@ -19,6 +22,7 @@ from gearshift.sharding import Sharding
 from torch import nn
 
 from .config import deepspeed_config
+from .gather import PartitionGather
 from .runtime import import_deepspeed, initialize
 
 
@@ -27,7 +31,8 @@ class ZeroSharding(Sharding):
 
     def __init__(self, *, zero_stage: int, compute_dtype: torch.dtype, lr: float, weight_decay: float,
                  betas: tuple[float, float], max_grad_norm: float | None, offload_params: bool = False,
-                 offload_optimizer: bool = False, fused_optimizer: bool = False, overrides: dict | None = None) -> None:
+                 offload_optimizer: bool = False, fused_optimizer: bool = False, overrides: dict | None = None,
+                 gather_partitions: bool = True) -> None:
         self.zero_stage = int(zero_stage)
         self.compute_dtype = compute_dtype
         self.lends_weights = self.zero_stage < 3  # ZeRO-3's weights exist whole only while gathered
@@ -36,7 +41,11 @@ class ZeroSharding(Sharding):
         self.offload_params, self.offload_optimizer = offload_params, offload_optimizer
         self.fused_optimizer = fused_optimizer
         self.overrides = dict(overrides or {})
+        #: at stage 3, export from the partitions (False: DeepSpeed's GatheredParameters, see `materialized`)
+        self.gather_partitions = gather_partitions
         self.engine = None
+        self._partitions: PartitionGather | None = None
+        self._whole: dict[int, torch.Tensor] = {}  # id(param) -> the weight whole, inside `materialized`
 
     def check(self, mesh: MeshSpec) -> None:
         if mesh.dp != mesh.world_size:
@@ -53,10 +62,17 @@ class ZeroSharding(Sharding):
         )
         optimizer = None if self.fused_optimizer else torch.optim.AdamW(trainable, **self.adamw)
         self.engine = initialize(model, optimizer, config)
+        if self.zero_stage == 3 and self.gather_partitions:
+            self._partitions = PartitionGather(device)
         return self.engine
 
     def trained_parameters(self, model: nn.Module):
         return ((n, p) for n, p in model.module.named_parameters() if p.requires_grad)
+
+    def local(self, tensor: torch.Tensor) -> torch.Tensor:
+        """The tensor; inside `materialized` at stage 3, a parameter of the bucket whole (gathered from its
+        partitions: the parameter itself stays empty)."""
+        return self._whole.get(id(tensor), tensor)
 
     def full_shape(self, name: str, param: torch.Tensor) -> tuple[int, ...]:
         return tuple(getattr(param, "ds_shape", param.shape))  # stage 3 keeps an empty tensor beside it
@@ -72,14 +88,34 @@ class ZeroSharding(Sharding):
         self.engine.step()
         return float(self.engine.get_global_grad_norm())
 
-    def materialized(self, params) -> AbstractContextManager:
-        """At stage 3, `params` gathered whole on every rank until the context closes; those a surrounding
-        gather holds already are left be."""
+    def materialized(self, params: Sequence[torch.Tensor]) -> AbstractContextManager:
+        """At stage 3, `params` whole on every rank (through `local`) until the context closes.
+
+        They are read from the partitions with one all-gather per bucket (gather.py). Where that does
+        not apply, DeepSpeed's `GatheredParameters` gathers them parameter by parameter instead, leaving
+        those a surrounding gather holds already be: with LoRA (`gather_partitions=False`: the merge reads
+        the base and adapter parameters themselves, so they must be whole as parameters), and for a bucket
+        that `gather.refusal` turns down (a parameter DeepSpeed did not partition, partitions offloaded to
+        host memory while training on a GPU or swapped out to NVMe, quantized ones).
+        """
         if self.zero_stage < 3:
             return nullcontext()
-        deepspeed = import_deepspeed()
-        unavailable = deepspeed.runtime.zero.partition_parameters.ZeroParamStatus.NOT_AVAILABLE
-        return deepspeed.zero.GatheredParameters([p for p in params if p.ds_status == unavailable])
+        layout = self._partitions.layout(params) if self._partitions is not None else None
+        if layout is None:
+            deepspeed = import_deepspeed()
+            unavailable = deepspeed.runtime.zero.partition_parameters.ZeroParamStatus.NOT_AVAILABLE
+            return deepspeed.zero.GatheredParameters([p for p in params if p.ds_status == unavailable])
+        return self._read_whole(layout, params)
+
+    @contextmanager
+    def _read_whole(self, layout, params: Sequence[torch.Tensor]) -> Iterator[None]:
+        """`local(p)` is `p` whole for each of `params` inside; an enclosing export's weights stay readable."""
+        outer = self._whole
+        self._whole = {**outer, **dict(zip(map(id, params), self._partitions.gather(layout, params)))}
+        try:
+            yield
+        finally:
+            self._whole = outer  # the gathered tensors go with their last reader
 
 
 __all__ = ["ZeroSharding"]
