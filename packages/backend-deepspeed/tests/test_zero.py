@@ -7,6 +7,7 @@ under torchrun with two, where ZeRO really partitions.
 import math
 import time
 import weakref
+from contextlib import contextmanager
 
 import pytest
 import torch
@@ -14,21 +15,36 @@ from gearshift import dist as gdist
 from gearshift import registry
 from gearshift.backends.hf_rollout import HFRolloutEngine
 from gearshift.conformance.train import fixed_batch, full_weights, nll
-from gearshift.conformance.util import reference_weights
+from gearshift.conformance.util import PROMPTS, reference_weights
 from gearshift.hybrid import HybridActor
+from gearshift.models import build_model
 from gearshift.module_train import position_ids
 from gearshift.reshard import StreamingResharder, export_weights, plan_reshard
+from gearshift.rollout import SamplingParams
 from gearshift.train import token_logprobs
 from gearshift.weights import WeightError
 from torch.profiler import ProfilerActivity, profile
 
+from gearshift_deepspeed import gather
 from gearshift_deepspeed.engine import DeepSpeedTrainEngine
 
 STAGES = [1, 2, 3]
+#: widths no world size above 1 divides (33, 45, 321): most weights' ZeRO-3 partitions are padded; the head is tied
+ODD = dict(hidden_size=33, intermediate_size=45, num_hidden_layers=2, num_attention_heads=3, num_key_value_heads=1,
+           head_dim=10, max_position_embeddings=512, vocab_size=321)
 
 
 def build(model, **options):
     return DeepSpeedTrainEngine.build(model, **{"lr": 1e-2, "param_dtype": "float32", **options})
+
+
+@pytest.fixture(scope="module")
+def odd_model(gearshift_shared_tmp_root):
+    path = gearshift_shared_tmp_root / "odd-widths"
+    if gdist.rank() == 0:
+        build_model(path, preset=ODD)
+    gdist.barrier()
+    return str(path)
 
 
 def hf_logprobs(model, batch) -> torch.Tensor:
@@ -374,3 +390,80 @@ def test_ranks_with_different_rows_and_packed_micro_batches_step_as_one_batch(ge
     print(f"FIGURE world={gdist.world_size()} zero_stage={stage}: packed vs whole-batch step, logprobs after: "
           f"max abs diff {diff:.3g}")
     assert diff <= 1e-4
+
+
+def deepspeed_gathered(engine) -> dict[str, torch.Tensor]:
+    """Every weight as DeepSpeed's `GatheredParameters` makes it whole (the export's path before it read the
+    partitions), those a gather holds already (ZeRO-3's persistent small weights) as they are."""
+    import deepspeed
+    from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+
+    params = {n: engine.trained[n] for n in engine.weight_spec().names()}
+    unavailable = [p for p in params.values() if p.ds_status == ZeroParamStatus.NOT_AVAILABLE]
+    with deepspeed.zero.GatheredParameters(unavailable):
+        return {n: p.detach().clone() for n, p in params.items()}
+
+
+@contextmanager
+def counting(monkeypatch, owner, name: str):
+    """Counts the calls of `owner.name` while the context is open."""
+    calls, real = [], getattr(owner, name)
+    with monkeypatch.context() as patch:
+        patch.setattr(owner, name, lambda *a, **kw: (calls.append(1), real(*a, **kw))[1])
+        yield calls
+
+
+@pytest.mark.parametrize("param_dtype", ["float32", "bfloat16"])
+def test_zero3_export_from_the_partitions_equals_deepspeeds_gather(odd_model, monkeypatch, param_dtype):
+    """Before any forward (every parameter partitioned) and after a step (ZeRO-3 keeps the small ones gathered):
+    one all-gather per bucket (none in one process), DeepSpeed's parameters left as they were, and buckets that
+    stay valid while they are kept. The odd widths pad partitions; the tied head is the embedding once."""
+    import deepspeed
+
+    engine = build(odd_model, zero_stage=3, param_dtype=param_dtype)
+    spec = engine.weight_spec()
+    assert spec.aliases == {"lm_head.weight": "model.embed_tokens.weight"}
+    assert any(p.ds_numel % 2 for p in engine.trained.values())  # padded partitions under two ranks
+    bucket_bytes = spec.nbytes // 6  # buckets of several weights (runs of equal partition sizes), the embedding alone
+    buckets = len(plan_reshard(spec, spec.replicated(), bucket_bytes).buckets)
+    for step in range(2):
+        want = deepspeed_gathered(engine)
+        status = [p.ds_status for p in engine.trained.values()]
+        with counting(monkeypatch, torch.distributed, "all_gather_into_tensor") as gathers, \
+                counting(monkeypatch, deepspeed.zero, "GatheredParameters") as deepspeeds:
+            kept = list(export_weights(engine, bucket_bytes=bucket_bytes))  # every bucket held to the end
+        got = {n: t for b in kept for n, t in b.items()}
+        assert got.keys() == want.keys() and len(kept) == buckets >= 4
+        assert all(torch.equal(got[n], want[n]) and got[n].dtype == want[n].dtype for n in want), step
+        assert len(gathers) == (buckets if gdist.world_size() > 1 else 0) and not deepspeeds
+        assert [p.ds_status for p in engine.trained.values()] == status
+        engine.train_step(fixed_batch(), nll)
+    engine.close()
+
+
+def test_zero3_sync_from_the_partitions_gives_the_rollout_engine_deepspeeds_weights(odd_model, monkeypatch):
+    """Into `hf` through the core's streaming resharder, after a step: the same weights, greedy generations and
+    logprobs as a sync through DeepSpeed's `GatheredParameters` (forced by turning every bucket down)."""
+    import deepspeed
+
+    rollout = HFRolloutEngine.build(odd_model)
+    before = {n: t.detach().clone() for n, t in rollout._params.items()}
+    seen = []
+    for forced in (False, True):
+        if forced:
+            monkeypatch.setattr(gather, "refusal", lambda params, device: "forced: the comparison's baseline")
+        engine = build(odd_model, zero_stage=3, config={"zero_optimization": {"stage3_param_persistence_threshold": 0}})
+        engine.train_step(fixed_batch(), nll)
+        actor = HybridActor(engine, rollout)
+        with counting(monkeypatch, deepspeed.zero, "GatheredParameters") as deepspeeds:
+            actor.to_rollout()
+        assert bool(deepspeeds) == forced
+        out = actor.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=8))
+        seen.append(({n: t.detach().clone() for n, t in rollout._params.items()},
+                     [(o.token_ids, o.logprobs) for o in out]))
+        actor.to_train()
+        engine.close()
+    (weights, generated), (baseline, generated_before) = seen
+    assert weights.keys() == baseline.keys() and all(torch.equal(weights[n], baseline[n]) for n in weights)
+    assert any(not torch.equal(weights[n], before[n]) for n in weights)  # the step reached the rollout engine
+    assert generated == generated_before
