@@ -1,19 +1,24 @@
 """A sync's host work per tensor stays small: on a model with Qwen2-0.5B's count of tensors (290) at tiny widths,
-where host work dominates as it does on a GPU, a sync from fsdp into hf takes at most a few times one batched
-copy of the same tensors (`torch._foreach_copy_`), measured in the same run. A sync that unwraps each DTensor,
-checks each weight's placement again or builds each slice anew on every switch takes 10x or more."""
+where host work dominates as it does on a GPU, a sync from fsdp (or DeepSpeed ZeRO-3) into hf takes at most a few
+times one batched copy of the same tensors (`torch._foreach_copy_`), measured in the same run. A sync that unwraps
+each DTensor, checks each weight's placement again or builds each slice anew on every switch takes 10x or more;
+one that gathers ZeRO-3's weights through DeepSpeed's `GatheredParameters`, parameter by parameter, over 30x."""
 
+import os
 import time
 
+import pytest
 import torch
 
 from gearshift import HybridActor, registry
 from gearshift.models import resolve_model
 from gearshift.reshard import StreamingResharder, export_weights
 
-#: sync / one batched copy of the same tensors, the fastest of 30 each: 3-4x measured alone on 2 cores, 7.7x once inside
-#: the whole suite's process (10-12x before the sync's per-tensor work was done once per plan); the margin is for that
-RATIO = 9.0
+#: sync / one batched copy of the same tensors, the fastest of 30 each: for fsdp 3-4x measured alone on 2 cores, 7.7x
+#: once inside the whole suite's process (10-12x before the sync's per-tensor work was done once per plan); the margin
+#: is for that. ZeRO-3 makes a view of each weight's partition and looks it up on every sync: 5-11x alone, 36x through
+#: DeepSpeed's GatheredParameters, so its margin for the suite's process still fails that path.
+RATIO = {"fsdp": 9.0, "deepspeed": 18.0}
 
 
 def _best(fn, n=30) -> float:
@@ -27,9 +32,15 @@ def _best(fn, n=30) -> float:
     return min(times)
 
 
-def test_a_syncs_host_work_per_tensor_is_a_small_multiple_of_one_batched_copy():
+@pytest.mark.parametrize("backend, options", [("fsdp", {}), ("deepspeed", {"zero_stage": 3})],
+                         ids=["fsdp", "deepspeed-zero3"])
+def test_a_syncs_host_work_per_tensor_is_a_small_multiple_of_one_batched_copy(backend, options):
+    if not any(b.name == backend and b.ready for b in registry.list_backends("train")):
+        if os.environ.get("CI"):
+            pytest.fail(f"gearshift-{backend} not installed: tools/install.sh installs it")
+        pytest.skip(f"gearshift-{backend} not installed")
     path = resolve_model("deep")
-    train = registry.create("train", "fsdp", model=path)
+    train = registry.create("train", backend, model=path, **options)
     rollout = registry.create("rollout", "hf", model=path)
     try:
         actor = HybridActor(train, rollout, StreamingResharder(share=False))
@@ -43,7 +54,8 @@ def test_a_syncs_host_work_per_tensor_is_a_small_multiple_of_one_batched_copy():
         sync_s, copy_s = _best(sync), _best(lambda: torch._foreach_copy_(dst, src))
         print(f"sync {sync_s * 1e3:.2f} ms, one batched copy {copy_s * 1e3:.2f} ms: {sync_s / copy_s:.1f}x, "
               f"{(sync_s - copy_s) / 290 * 1e6:.1f} us of host work per tensor")
-        assert sync_s <= RATIO * copy_s, f"sync {sync_s * 1e3:.2f} ms is over {RATIO}x one batched copy"
+        ratio = RATIO[backend]
+        assert sync_s <= ratio * copy_s, f"sync {sync_s * 1e3:.2f} ms is over {ratio}x one batched copy"
     finally:
         train.close()
         rollout.close()
