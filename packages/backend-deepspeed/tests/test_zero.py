@@ -427,6 +427,8 @@ def test_zero3_export_from_the_partitions_equals_deepspeeds_gather(odd_model, mo
     bucket_bytes = spec.nbytes // 6  # buckets of several weights (runs of equal partition sizes), the embedding alone
     buckets = len(plan_reshard(spec, spec.replicated(), bucket_bytes).buckets)
     for step in range(2):
+        if step:
+            engine.train_step(fixed_batch(), nll)
         want = deepspeed_gathered(engine)
         status = [p.ds_status for p in engine.trained.values()]
         with counting(monkeypatch, torch.distributed, "all_gather_into_tensor") as gathers, \
@@ -437,7 +439,6 @@ def test_zero3_export_from_the_partitions_equals_deepspeeds_gather(odd_model, mo
         assert all(torch.equal(got[n], want[n]) and got[n].dtype == want[n].dtype for n in want), step
         assert len(gathers) == (buckets if gdist.world_size() > 1 else 0) and not deepspeeds
         assert [p.ds_status for p in engine.trained.values()] == status
-        engine.train_step(fixed_batch(), nll)
     engine.close()
 
 
@@ -463,7 +464,8 @@ def test_zero3_sync_from_the_partitions_gives_the_rollout_engine_deepspeeds_weig
                      [(o.token_ids, o.logprobs) for o in out]))
         actor.to_train()
         engine.close()
-    (weights, generated), (baseline, generated_before) = seen
+    rollout.close()
+    (weights, generated), (baseline, baseline_generated) = seen
     assert weights.keys() == baseline.keys() and all(torch.equal(weights[n], baseline[n]) for n in weights)
     assert any(not torch.equal(weights[n], before[n]) for n in weights)  # the step reached the rollout engine
-    assert generated == generated_before
+    assert generated == baseline_generated
