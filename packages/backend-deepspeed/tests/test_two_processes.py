@@ -25,12 +25,9 @@ MODULES = ["test_conformance.py", "test_zero.py", "test_options.py"]
 # With several ranks both resharders first gather (ZeRO-3) or hold (ZeRO-2) the same weights; the naive
 # one then adds a file of the suite's 0.4 MB model, a few ms, so the default m=2 would measure noise
 # (as for the fsdp backend). The streaming sync must still not be slower than the file round trip.
+# At ZeRO-3 a sync all-gathers each bucket's partitions once, as the copy limit counts it (2.2-3.4x the
+# copy limit measured, against 12x when DeepSpeed gathered parameter by parameter): the budget holds there too.
 BUDGET = ["--gearshift-budget", "m=1.0"]
-# At ZeRO-3 every sync all-gathers the weights inside the train engine's `materialized`, one gloo
-# collective per parameter; the copy limit counts one all-gather per bucket (the bytes, not DeepSpeed's
-# per-parameter calls), so on the suite's 0.4 MB model the budget would measure gloo's per-call latency
-# on a busy machine rather than the sync. The figures are printed by the other tests.
-DESELECT = ["-k", "not (Zero3 and HFRollout and test_switch_latency_within_budget)"]
 # with --runslow: LoRA at ZeRO-3 across ranks (bases and factors gathered per bucket), and the vLLM pair
 SLOW_MODULES = ["test_lora.py", "test_vllm.py"]
 
@@ -48,7 +45,7 @@ def launch(nproc: int, root: Path, env: dict[str, str], modules: list[str]):
            "--master_addr", "127.0.0.1", "--master_port", str(free_port()),
            "--log_dir", str(root / "logs"), "--redirects", "3",
            "-m", "pytest", *modules, "-p", "no:cacheprovider", "-q", "-s", "-rA", "-W", "ignore::UserWarning",
-           "-W", "ignore::FutureWarning", *BUDGET, *DESELECT]
+           "-W", "ignore::FutureWarning", *BUDGET]
     proc = subprocess.run(cmd, cwd=HERE, env=env, capture_output=True, text=True, timeout=1800)
     outputs = {int(p.parent.name): p.read_text() for p in sorted((root / "logs").glob("*/attempt_0/*/stdout.log"))}
     return proc, outputs
@@ -72,6 +69,7 @@ def assert_all_passed(proc, outputs, nproc: int, must_pass: list[str], may_skip:
 
 MUST_PASS = ["TestZero3Train::test_forward_logprobs_match_transformers",
              "TestZero3WithHFRollout::test_after_sync_rollout_logprobs_agree_with_training",
+             "TestZero3WithHFRollout::test_switch_latency_within_budget[default]",
              "test_logprobs_match_transformers_after_the_same_step_as_the_torch_backend[3]",
              "test_checkpoint_for_another_dp_size", "test_lora_checkpoint_for_another_dp_size"]
 LORA = {"lora_r": 4, "lora_alpha": 8}
