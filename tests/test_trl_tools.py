@@ -99,6 +99,12 @@ def test_the_trl_section_follows_the_shape_unless_told():
     on_gpu = trl_h200.trl_section(args, s, True)
     assert on_gpu["use_vllm"] and on_gpu["bf16"] and on_gpu["micro_batch"] == 8 and on_gpu["vllm_enable_sleep_mode"]
     assert on_gpu["vllm_max_model_length"] == 320 and not on_gpu["gradient_checkpointing"]
+    assert not on_gpu["importance_sampling"], "like gearshift's rollout_correction=none unless asked"
+    as_it_comes = trl_h200.parser().parse_args(["run", "--shape", "7b", "--trl-gradient-checkpointing",
+                                                "--trl-importance-sampling"])
+    defaults = trl_h200.trl_section(as_it_comes, s, True)
+    assert defaults["gradient_checkpointing"] and defaults["importance_sampling"]
+    assert trl_side.grpo_args({**_job(), "trl": defaults, "device": "cuda"})["vllm_importance_sampling_correction"]
     args = trl_h200.parser().parse_args(["run", "--shape", "7b", "--trl-sleep", "off", "--trl-micro-batch", "512"])
     on_cpu = trl_h200.trl_section(args, dict(s, prompts=4, n=4), False)
     assert not on_cpu["use_vllm"] and not on_cpu["bf16"] and not on_cpu["vllm_enable_sleep_mode"]

@@ -204,7 +204,8 @@ def jsonl(path: Path) -> list[dict]:
 
 def trl_section(args, s: dict, gpu: bool) -> dict:
     """TRL's own knobs for the job (tools/trl_side.py reads them): vLLM colocated on a GPU, bf16 there, the
-    micro-batch and the memory settings of the shape unless given, and no importance-sampling correction."""
+    micro-batch and the memory settings of the shape unless given, and no importance-sampling correction unless
+    asked (`--trl-gradient-checkpointing --trl-importance-sampling` is TRL's GRPOConfig as it comes)."""
     shape = TRL_SHAPE[args.shape]
     return {"use_vllm": {"on": True, "off": False, "auto": gpu}[args.trl_vllm], "bf16": gpu,
             "model_dtype": s["model_dtype"],
@@ -212,7 +213,8 @@ def trl_section(args, s: dict, gpu: bool) -> dict:
             "gradient_checkpointing": args.trl_gradient_checkpointing,
             "vllm_enable_sleep_mode": shape["vllm_enable_sleep_mode"] if args.trl_sleep is None else args.trl_sleep,
             "vllm_gpu_memory_utilization": args.trl_gpu_memory,
-            "vllm_max_model_length": s["max_prompt_len"] + s["max_tokens"], "importance_sampling": False}
+            "vllm_max_model_length": s["max_prompt_len"] + s["max_tokens"],
+            "importance_sampling": args.trl_importance_sampling}
 
 
 def run(args) -> int:
@@ -304,7 +306,11 @@ def parser() -> argparse.ArgumentParser:
                    help="TRL generates with colocated vLLM (auto: on a GPU) or its own generate()")
     r.add_argument("--trl-micro-batch", type=int, help="TRL's per_device_train_batch_size (default by shape: "
                    + ", ".join(f"{k} {v['micro_batch']}" for k, v in TRL_SHAPE.items()) + ")")
-    r.add_argument("--trl-gradient-checkpointing", action="store_true", help="TRL recomputes activations")
+    r.add_argument("--trl-gradient-checkpointing", action="store_true",
+                   help="TRL recomputes activations (GRPOConfig's default)")
+    r.add_argument("--trl-importance-sampling", action="store_true",
+                   help="TRL corrects for vLLM's sampling with importance weights, which takes a forward pass of "
+                        "its own for the old logprobs (GRPOConfig's default with vLLM)")
     r.add_argument("--trl-sleep", type=lambda v: v.lower() in ("1", "true", "on", "yes"), default=None,
                    help="TRL's vllm_enable_sleep_mode (default by shape: on at 7b)")
     r.add_argument("--trl-gpu-memory", type=float, default=0.3, help="TRL's vllm_gpu_memory_utilization (0.3)")
