@@ -28,7 +28,8 @@ vLLM is imported only when an engine is built, so this package imports (and
 This module is the adapter; around it: `arguments` (the options, and what
 `vllm.LLM` is started with), `worker` (code run inside vLLM's worker),
 `groups` (vLLM's process groups), `requests` (sampling parameters and
-completions), `weights`, `cpu_loader` and `tp_slices` (where weights land),
+completions), `weights`, `cpu_loader` and `tp_slices` (where weights land,
+with the core's `gearshift.landing`),
 `host` (what of the host's state is vLLM's own).
 """
 
@@ -45,6 +46,7 @@ import torch
 
 from gearshift import dist as gdist
 from gearshift.hf import weight_spec_of
+from gearshift.landing import checkpoint_tensors, load_units, verified_landing
 from gearshift.rollout import ROLLOUT_TAGS, Rollout, RolloutArgs, RolloutEngine, RolloutError, SamplingParams
 from gearshift.weights import Adapter, WeightBucket, WeightError, WeightSpec, copy_weights_
 
@@ -57,7 +59,7 @@ from .host import (RngState, cache_paths, call_environment, contained, default_c
                    engine_environment, threads)
 from .requests import to_rollout, vllm_sampling
 from .tp_slices import declare_slices
-from .weights import UnitFeeder, checkpoint_tensors, load_units, verified_landing
+from .weights import UnitFeeder
 
 INSTALL = "pip install 'gearshift-vllm[cpu]' (CPU) or 'gearshift-vllm[gpu]'"
 CPU_NO_SLEEP = "CPU vLLM has no sleep mode: nothing is released"

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import torch
 
+from gearshift.landing import landing_views
 from gearshift.memory import tensor_bytes
 
 from .cpu_loader import packed_modules
-from .weights import landing_views
 
 
 def model_layout(worker) -> dict:
@@ -34,7 +34,7 @@ def model_layout(worker) -> dict:
 
 
 def model_landing_views(worker, units: dict[str, str], packed: dict[str, list[str]]) -> dict[str, torch.Tensor]:
-    """Where each weight lands in the worker's parameters (`weights.landing_views`)."""
+    """Where each weight lands in the worker's parameters (`gearshift.landing.landing_views`)."""
     model = worker.model_runner.model
     return landing_views(model, units, units, dict(getattr(model, "packed_modules_mapping", packed)))
 
