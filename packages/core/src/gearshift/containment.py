@@ -120,7 +120,8 @@ class HostState:
         self._restore_process()
         root = logging.getLogger()
         root.handlers[:] = self.root_handlers
-        root.setLevel(self.root_level)
+        if root.level != self.root_level:  # setLevel clears every logger's cache: 1.6 ms beside SGLang's loggers
+            root.setLevel(self.root_level)
         asyncio.set_event_loop_policy(self.loop_policy)
         self._restore_environ()
 
