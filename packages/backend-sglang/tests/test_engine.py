@@ -65,26 +65,45 @@ def test_update_error_from_sglang_is_a_weight_error_and_the_engine_keeps_serving
     baseline = engine.generate(PROMPTS, GREEDY)
     refusal = (False, "refused for the test")
     monkeypatch.setattr(engine._engine, "update_weights_from_tensor", lambda *a, **k: refusal)
+    monkeypatch.setattr(engine, "_landed", None)  # direct_load=False: the update goes through SGLang's call
     with pytest.raises(WeightError, match="refused for the test"):
         engine.update_weights(as_buckets(reference_weights(engine.model_path, engine.weight_spec()), engine.device))
     monkeypatch.undo()
     assert tokens(engine.generate(PROMPTS, GREEDY)) == tokens(baseline)
 
 
-def test_one_flush_per_update_after_the_last_bucket(serving_model_weights, gearshift_model, monkeypatch):
+def test_a_bucket_layout_the_scheduler_never_received_is_refused_and_the_engine_keeps_serving(
+        serving_model_weights):
     engine = serving_model_weights
+    baseline = engine.generate(PROMPTS, GREEDY)
+    with pytest.raises(AssertionError, match="never received"):
+        engine._engine.collective_rpc("gearshift_load", payload="", buffer=engine._flat.buffer_id, layout=10**6,
+                                      update=engine._updates)
+    assert tokens(engine.generate(PROMPTS, GREEDY)) == tokens(baseline)
+
+
+@pytest.mark.parametrize("direct", [True, False])
+def test_one_flush_per_update_after_the_last_bucket(serving_model_weights, gearshift_model, monkeypatch, direct):
+    engine = serving_model_weights
+    if not direct:
+        monkeypatch.setattr(engine, "_landed", None)  # direct_load=False
     calls = []
-    for name in ("begin_weight_update", "update_weights_from_tensor", "end_weight_update", "flush_cache"):
+    for name in ("begin_weight_update", "update_weights_from_tensor", "collective_rpc", "end_weight_update",
+                 "flush_cache"):
         real = getattr(engine._engine, name)
         monkeypatch.setattr(engine._engine, name, lambda *a, _real=real, _name=name, **k: (calls.append(
-            (_name, k.get("load_format"), k.get("flush_cache"))), _real(*a, **k))[1])
+            (_name, a[:1] if _name == "collective_rpc" else k.get("load_format"), k.get("flush_cache"))),
+            _real(*a, **k))[1])
     buckets = as_buckets(reference_weights(gearshift_model, engine.weight_spec()), engine.device, per_bucket=3)
     assert len(buckets) > 2
     engine.update_weights(iter(buckets))
     names = [c[0] for c in calls]
-    assert names == ["begin_weight_update"] + ["update_weights_from_tensor"] * len(buckets) + \
-        ["end_weight_update", "flush_cache"]
-    assert all(c[1:] == ("flattened_bucket", False) for c in calls if c[0] == "update_weights_from_tensor")
+    load = "collective_rpc" if direct else "update_weights_from_tensor"
+    # every weight of the tiny model lands: the direct load needs no session of SGLang's
+    sessions = ["begin_weight_update"] if engine._sessions and not direct else []
+    assert names == sessions + [load] * len(buckets) + ["end_weight_update"] * len(sessions) + ["flush_cache"]
+    expected = (("gearshift_load",), None) if direct else ("flattened_bucket", False)
+    assert all(c[1:] == expected for c in calls if c[0] == load)
 
 
 def test_own_load_is_sglangs_per_tensor_update_and_restores_the_outputs(serving_model_weights, gearshift_model,

@@ -163,3 +163,52 @@ def test_on_a_cpu_the_kv_cache_keeps_its_own_size():
     cpu = _arguments_on(False, max_batch_tokens=256 * 320)
     per_token = 2 * 2 * 2 * 16 * 2  # keys and values, 2 layers, 2 kv heads of 16, bf16
     assert cpu["max_total_tokens"] == (256 << 20) // per_token
+
+
+def _flat_buckets(dtype):
+    import pytest
+    import torch
+
+    pytest.importorskip("sglang")
+    from gearshift_sglang.imports import importing_sglang
+    from gearshift_sglang.weights import FlatBuckets
+
+    with importing_sglang():
+        import sglang.srt.utils  # noqa: F401
+    return FlatBuckets(torch.device("cpu"), dtype)
+
+
+def test_a_bucket_is_cast_into_typed_views_of_the_buffer_and_read_back_as_sglang_reads_it():
+    import torch
+    from sglang.srt.utils import MultiprocessingSerializer
+    from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket
+
+    flat = _flat_buckets(torch.bfloat16)
+    tensors = {"a.weight": torch.randn(3, 5), "b.bias": torch.randn(7), "c.weight": torch.randn(2, 2, 2)}
+    layout = flat.pack(tensors)
+    for view, t in zip(layout.views, tensors.values()):
+        assert view.dtype == torch.bfloat16 and torch.equal(view, t.to(torch.bfloat16))
+    data = MultiprocessingSerializer.deserialize(flat.payload(layout))
+    bucket = FlattenedTensorBucket(flattened_tensor=data["flattened_tensor"], metadata=data["metadata"])
+    read = dict(bucket.reconstruct_tensors())
+    assert list(read) == list(tensors)
+    assert all(torch.equal(read[n], t.to(torch.bfloat16)) for n, t in tensors.items())
+
+
+def test_a_layout_is_kept_with_its_buffer_and_worked_out_again_when_the_buffer_grows():
+    import torch
+
+    flat = _flat_buckets(torch.float32)
+    small = {"a": torch.ones(4), "b": torch.ones(2, 2)}
+    first = flat.pack(small)
+    flat.mark_delivered(first)
+    again = flat.pack({"a": torch.zeros(4), "b": torch.zeros(2, 2)})
+    assert again is first and flat.delivered(again) and flat.buffer_id == 1
+    assert torch.equal(again.views[0], torch.zeros(4))  # the same views, new values
+    other = flat.pack({"b": torch.ones(2, 2), "a": torch.ones(4)})  # another order: another layout
+    assert other.id != first.id and not flat.delivered(other) and flat.buffer_id == 1
+    grown = flat.pack({"c": torch.ones(100)})
+    assert flat.buffer_id == 2 and not flat.delivered(grown)
+    relaid = flat.pack(small)
+    assert relaid is not first and not flat.delivered(relaid), "the old views were into the old buffer"
+    assert torch.equal(relaid.views[1], torch.ones(2, 2))

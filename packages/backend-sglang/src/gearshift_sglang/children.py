@@ -20,6 +20,13 @@ The scheduler gets two methods that the engine calls through SGLang's
   `Engine.freeze_gc()` would freeze the host's heap too).
 - `gearshift_report(path)`: writes the bytes held by the model's parameters and
   by the KV cache to `path` as JSON (an RPC answers only success or failure).
+- `gearshift_map_weights(spec_path, checkpoint, path)`: once at start, works out
+  where each weight of the pickled spec at `spec_path` lands in the model's
+  parameters, verified against the checkpoint in folder `checkpoint`, and writes
+  the landed names to `path` as JSON (`direct.DirectLoad.map`).
+- `gearshift_load(payload, buffer, layout, update)`: one bucket, copied from the
+  flat buffer into those views, the rest through SGLang's loader
+  (`direct.DirectLoad.load`).
 """
 
 from __future__ import annotations
@@ -38,6 +45,8 @@ def run_scheduler_process(*args, **kwargs):
     scheduler.Scheduler.gearshift_reseed = _reseed
     scheduler.Scheduler.gearshift_report = _report
     scheduler.Scheduler.gearshift_freeze_gc = _freeze_gc
+    scheduler.Scheduler.gearshift_map_weights = _map_weights
+    scheduler.Scheduler.gearshift_load = _load
     return scheduler.run_scheduler_process(*args, **kwargs)
 
 
@@ -73,3 +82,23 @@ def _report(self, path: str) -> None:
     with open(path, "w", encoding="utf-8") as f:
         json.dump({"weights": weights, "kv_cache": kv}, f)
 
+
+def _map_weights(self, spec_path: str, checkpoint: str, path: str) -> None:
+    import pickle
+
+    from .direct import DirectLoad
+
+    with open(spec_path, "rb") as f:
+        spec = pickle.load(f)
+    if getattr(self, "gearshift_direct", None) is None:
+        self.gearshift_direct = DirectLoad(self.tp_worker.model_runner)
+    found = self.gearshift_direct.map(spec, checkpoint)
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(found, f)
+
+
+def _load(self, payload: str, buffer: int, layout: int, update: int) -> None:
+    # SGLang 0.5.23 keeps an update session (begin/end_weight_update) and refuses its own loads outside one:
+    # weights that go through its loader are refused there too (0.5.17 has no sessions)
+    session = getattr(self.weight_updater, "_session", True) is not None
+    self.gearshift_direct.load(payload, buffer, layout, update, loader_allowed=session)

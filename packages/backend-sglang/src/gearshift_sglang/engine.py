@@ -2,12 +2,14 @@
 
 The `Engine` object lives in the host; SGLang runs the model in a scheduler
 process it spawns (and detokenizes in another), reached over ZMQ. Weights
-travel there as flattened buckets in shared memory (CUDA IPC on GPU) through
-`update_weights_from_tensor`, between `begin_weight_update()` and
-`end_weight_update()` where SGLang has them (0.5.23 refuses an update outside
-them; 0.5.17, the release that pins the CUDA torch 2.11, has neither and takes
-updates as they come: `weight_update_sessions`); SGLang answers `(ok, message)`
-rather than raising, and every answer is checked. What SGLang would fail on
+travel there as flattened buckets in shared memory (CUDA IPC on GPU) and are
+copied there straight into SGLang's parameters (direct.py); those that do not
+land in place, or all with `direct_load=False`, go through SGLang's loader,
+between `begin_weight_update()` and `end_weight_update()` where SGLang has
+them (0.5.23 refuses its loads outside them; 0.5.17, the release that pins the
+CUDA torch 2.11, has neither and takes updates as they come:
+`weight_update_sessions`); SGLang answers `(ok, message)` rather than raising,
+and every answer is checked. What SGLang would fail on
 inside its scheduler (a wrong name or shape, resuming memory that was not
 released) is refused here first: a scheduler that fails takes the host process
 down with it (see host.py).
@@ -25,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import pickle
 import random
 import time
 import weakref
@@ -111,6 +114,10 @@ class SGLangRolloutEngine(RolloutEngine):
                                             "instead of polling them: frees the core it keeps busy while the "
                                             "trainer runs; off by default until its timing on the CPU is "
                                             "understood (see the README)")
+        direct_load: bool = option(True, "write updated weights straight into SGLang's parameters, in its "
+                                         "scheduler process, through views found and checked against the "
+                                         "checkpoint at start (the rest through SGLang's loader); False: "
+                                         "every weight through SGLang's loader (flattened buckets)")
         engine_kwargs: dict[str, Any] = option({}, "passed to sglang.Engine as they are")
 
     def __init__(self, args: RolloutArgs, options: "SGLangRolloutEngine.Options | None" = None) -> None:
@@ -156,7 +163,11 @@ class SGLangRolloutEngine(RolloutEngine):
         info = self._engine._scheduler_init_result.scheduler_infos[0]
         self.max_model_len = int(info.get("max_req_input_len", self._engine.tokenizer_manager.context_len))
         self._tokenizer = self._engine.tokenizer_manager.tokenizer
-        self._flat = FlatBuckets(self.device)
+        self._flat = FlatBuckets(self.device, self.dtype)
+        self._updates = 0  # numbers each update for the scheduler (it checks its views once per update)
+        self.direct_refusal: str | None = None
+        #: the weights written straight into SGLang's parameters (None: direct_load is off)
+        self._landed: frozenset[str] | None = self._map_weights(self.model_path) if opts.direct_load else None
         self._rng = random.Random(args.seed + self.mesh.coords(self.rank)["dp"])
         self._released: set[str] = set()  # what SGLang released
 
@@ -228,14 +239,36 @@ class SGLangRolloutEngine(RolloutEngine):
     def weight_spec(self) -> WeightSpec:
         return self._spec
 
+    def _map_weights(self, checkpoint: str) -> frozenset[str]:
+        """Have the scheduler find where each weight lands in its parameters, keeping the views that hold
+        exactly the tensors of the checkpoint in folder `checkpoint` (its weights must still be those);
+        the names it will write directly (direct.py)."""
+        spec_file, found_file = self._tmp / f"spec-{id(self)}.pkl", self._tmp / f"landed-{id(self)}.json"
+        spec_file.write_bytes(pickle.dumps(self._spec))
+        try:
+            with self._calling_sglang():
+                self._engine.collective_rpc("gearshift_map_weights", spec_path=str(spec_file),
+                                            checkpoint=str(checkpoint), path=str(found_file))
+            found = json.loads(found_file.read_text())
+        finally:
+            spec_file.unlink(missing_ok=True)
+            found_file.unlink(missing_ok=True)
+        #: why no weight is written directly, where SGLang or the model rules it out
+        self.direct_refusal = found["reason"]
+        return frozenset(found["landed"])
+
     def update_weights(self, buckets: Iterable[WeightBucket]) -> int:
-        """Load the buckets through `update_weights_from_tensor`, one flat buffer per bucket.
+        """Load the buckets, one flat buffer per bucket, into SGLang's parameters.
 
         Each bucket is checked before any of it is sent; the buckets before a bad one stay applied.
-        The prefix cache is flushed once, after the last bucket, however the update ends.
+        The prefix cache is flushed once, after the last bucket, however the update ends. With
+        `direct_load`, one call into the scheduler per bucket copies the weights that landed straight
+        into SGLang's parameters and hands the rest to its loader (direct.py); where every weight lands,
+        no begin/end session is opened (it lets SGLang undo and redo its own packing of weights around
+        its loader, and a weight it packs never lands).
         """
         loaded, applied = 0, 0
-        with self._weight_update():
+        with self._weight_update(session=self._sessions and not self._all_landed()):
             for bucket in buckets:
                 try:
                     tensors = self._spec.check(bucket.tensors, self.rank)
@@ -248,29 +281,47 @@ class SGLangRolloutEngine(RolloutEngine):
                 del tensors, bucket
         return loaded
 
+    def _all_landed(self) -> bool:
+        return self._landed is not None and self._landed.issuperset(self._spec.names())
+
     @contextmanager
-    def _weight_update(self):
-        """Around an update: refused while the weights sleep; SGLang's begin/end session where it has one; the
+    def _weight_update(self, session: bool):
+        """Around an update: refused while the weights sleep; SGLang's begin/end session if `session`; the
         prefix cache flushed once at the end, however the update ends."""
         if "weights" in self.asleep or "weights" in self._released:
             raise RolloutError("the engine's weights are asleep: call wake(['weights']) before updating them")
+        self._updates += 1
         with self._calling_sglang():
-            if self._sessions:
+            if session:
                 self._answer("begin_weight_update", self._engine.begin_weight_update())
             try:
                 yield
             finally:
-                if self._sessions:
+                if session:
                     self._answer("end_weight_update", self._engine.end_weight_update())
                 self._flush()
 
     def _load(self, tensors: dict[str, torch.Tensor], applied: int) -> None:
-        payload = self._flat.pack({n: t.to(self.device, self.dtype) for n, t in tensors.items()})
-        ok, message = self._engine.update_weights_from_tensor([payload], load_format="flattened_bucket",
-                                                               flush_cache=False)
+        layout = self._flat.pack(tensors)
+        ok, message = self._load_flattened(layout) if self._landed is None else self._load_direct(layout)
         if not ok:
             raise WeightError(f"SGLang refused the weights: {message} ({applied} weights from the buckets before "
                               f"it were applied)")
+
+    def _load_flattened(self, layout) -> tuple[bool, str]:
+        return self._engine.update_weights_from_tensor([self._flat.payload(layout)], load_format="flattened_bucket",
+                                                       flush_cache=False)
+
+    def _load_direct(self, layout) -> tuple[bool, str]:
+        # the payload once per buffer and layout: after that the scheduler holds both, and two numbers do
+        payload = "" if self._flat.delivered(layout) else self._flat.payload(layout)
+        try:
+            self._engine.collective_rpc("gearshift_load", payload=payload, buffer=self._flat.buffer_id,
+                                        layout=layout.id, update=self._updates)
+        except AssertionError as e:  # SGLang's collective_rpc asserts its scheduler's answer
+            return False, str(e)
+        self._flat.mark_delivered(layout)
+        return True, ""
 
     def own_load(self, buckets: Iterable[WeightBucket]) -> int:
         """The switch bench's `OwnLoad`: SGLang's `update_weights_from_tensor` as its users call it, one call per
@@ -278,7 +329,7 @@ class SGLangRolloutEngine(RolloutEngine):
         session where SGLang has them, the cache flushed once after the last bucket. Names and shapes are
         checked first: a wrong one would fail inside SGLang's scheduler and take the process down."""
         loaded = 0
-        with self._weight_update():
+        with self._weight_update(session=self._sessions):
             for bucket in buckets:
                 tensors = self._spec.check(bucket.tensors, self.rank)
                 if tensors:

@@ -1,0 +1,166 @@
+"""The direct load: weights copied straight into SGLang's parameters inside its scheduler (direct.py), checked
+against SGLang's own loading of the same weights."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from gearshift.conformance.util import PROMPTS, as_buckets, perturbed, reference_logprob_diff, reference_weights
+from gearshift.rollout import SamplingParams
+from gearshift.weights import WeightBucket, WeightError
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=8)
+SAMPLED = SamplingParams(n=2, temperature=1.0, max_tokens=8, seed=3)
+LAYER0_QKV = [f"model.layers.0.self_attn.{p}_proj.weight" for p in "qkv"]
+LAYER1_MLP = [f"model.layers.1.mlp.{p}_proj.weight" for p in ("gate", "up", "down")]
+
+
+@pytest.fixture
+def engine(serving_model_weights):
+    return serving_model_weights
+
+
+@pytest.fixture
+def original(engine, gearshift_model):
+    return reference_weights(gearshift_model, engine.weight_spec())
+
+
+def outputs(engine):
+    return [(r.token_ids, r.logprobs) for r in engine.generate(PROMPTS, GREEDY) + engine.generate(PROMPTS, SAMPLED)]
+
+
+def rpc_calls(engine, monkeypatch) -> list[tuple[str, dict]]:
+    """Every collective_rpc the engine makes from now on, with its arguments (the calls still go through)."""
+    calls, real = [], engine._engine.collective_rpc
+    monkeypatch.setattr(engine._engine, "collective_rpc", lambda name, **k: (calls.append((name, k)),
+                                                                            real(name, **k))[1])
+    return calls
+
+
+def test_every_weight_of_the_tiny_model_lands_fused_rows_included(engine):
+    assert engine.direct_refusal is None
+    assert engine._landed == set(engine.weight_spec().names())
+    assert set(LAYER0_QKV + LAYER1_MLP) <= engine._landed
+
+
+def test_the_direct_load_gives_exactly_what_sglangs_own_loaders_give(engine, original, monkeypatch):
+    changed = perturbed(original)
+    baseline = outputs(engine)
+    own_calls, real = [], engine._engine.update_weights_from_tensor
+    monkeypatch.setattr(engine._engine, "update_weights_from_tensor", lambda *a, **k: (own_calls.append(k),
+                                                                                      real(*a, **k))[1])
+    engine.update_weights(as_buckets(changed, engine.device))
+    direct = outputs(engine)
+    assert not own_calls, "the direct load went through SGLang's update_weights_from_tensor"
+    assert direct != baseline
+    engine.own_load(as_buckets(changed, engine.device))  # SGLang's loader, per tensor
+    assert outputs(engine) == direct
+    engine.update_weights(as_buckets(original, engine.device))
+    monkeypatch.setattr(engine, "_landed", None)  # direct_load=False: SGLang's flattened-bucket loader
+    own_calls.clear()
+    engine.update_weights(as_buckets(changed, engine.device))
+    assert own_calls and all(k["load_format"] == "flattened_bucket" for k in own_calls)
+    assert outputs(engine) == direct
+
+
+def test_fused_rows_land_where_sglangs_loader_puts_them(engine, original):
+    """k is the middle block of qkv_proj's rows and up the second of gate_up_proj's: a wrong offset would
+    write another weight's rows."""
+    changes = perturbed({n: original[n] for n in [LAYER0_QKV[1], LAYER1_MLP[1]]})
+    engine.update_weights(as_buckets(changes, engine.device))
+    out = engine.generate(PROMPTS, GREEDY)
+    assert reference_logprob_diff(engine.model_path, out, changes) <= 1e-4
+    assert reference_logprob_diff(engine.model_path, out) > 1e-3  # the change is visible
+
+
+def test_restoring_the_original_weights_restores_the_outputs_exactly(engine, original):
+    baseline = outputs(engine)
+    engine.update_weights(as_buckets(perturbed(original), engine.device))
+    assert outputs(engine) != baseline
+    engine.update_weights(as_buckets(original, engine.device))
+    assert outputs(engine) == baseline
+
+
+def test_a_sync_sends_each_bucket_layout_once_then_only_its_numbers(engine, original, monkeypatch):
+    calls = rpc_calls(engine, monkeypatch)
+    buckets = as_buckets(perturbed(original), engine.device, per_bucket=5)  # layouts no other test sends
+    engine.update_weights(buckets)
+    first = [k for name, k in calls if name == "gearshift_load"]
+    calls.clear()
+    engine.update_weights(buckets)
+    again = [k for name, k in calls if name == "gearshift_load"]
+    assert len(first) == len(again) == len(buckets)
+    assert all(k["payload"] for k in first), "the first sync of a layout carries SGLang's flattened payload"
+    assert not any(k["payload"] for k in again), "a known layout in the same buffer is sent as numbers"
+    assert [k["layout"] for k in again] == [k["layout"] for k in first]
+    assert len({k["buffer"] for k in again}) == 1 and again[0]["update"] == first[0]["update"] + 1
+
+
+def test_a_bad_bucket_after_good_ones_keeps_them_and_says_how_many(engine, original):
+    good = perturbed({n: original[n] for n in ["model.norm.weight", *LAYER1_MLP]})
+    stream = iter([WeightBucket(dict(list(good.items())[:2]), 0), WeightBucket(dict(list(good.items())[2:]), 1),
+                   WeightBucket({"model.layers.0.self_attn.q_proj.weight": torch.zeros(3, 3)}, 2)])
+    with pytest.raises(WeightError, match=f"shape.*{len(good)} weights from the buckets before it were applied"):
+        engine.update_weights(stream)
+    assert reference_logprob_diff(engine.model_path, engine.generate(PROMPTS, GREEDY), good) <= 1e-4
+
+
+def test_an_error_in_the_scheduler_is_a_weight_error_and_the_next_sync_resends(engine, original, monkeypatch):
+    buckets = as_buckets(perturbed(original), engine.device, per_bucket=6)  # layouts no other test sends
+    real = engine._engine.collective_rpc
+
+    def failing(name, **kwargs):
+        if name == "gearshift_load" and kwargs["payload"]:  # the scheduler fails after receiving the layout
+            real(name, **kwargs)
+            raise AssertionError("failed for the test")
+        return real(name, **kwargs)
+
+    monkeypatch.setattr(engine._engine, "collective_rpc", failing)
+    with pytest.raises(WeightError, match="failed for the test.*0 weights from the buckets before it"):
+        engine.update_weights(buckets)
+    monkeypatch.undo()
+    calls = rpc_calls(engine, monkeypatch)
+    engine.update_weights(buckets)
+    assert [k for name, k in calls if name == "gearshift_load"][0]["payload"], "a failed bucket counts as not sent"
+    calls.clear()
+    engine.update_weights(buckets)
+    assert not any(k["payload"] for name, k in calls if name == "gearshift_load")
+
+
+def test_a_weight_whose_view_fails_verification_goes_through_sglangs_loader(engine, original, tmp_path, monkeypatch):
+    """The views are checked against a copy of the folder where one weight differs from what SGLang holds:
+    that weight must not be written around SGLang's loader, and SGLang's loader still updates it."""
+    from safetensors.torch import load_file, save_file
+
+    odd = LAYER1_MLP[2]
+    folder = Path(shutil.copytree(engine.model_path, tmp_path / "model"))
+    for f in folder.glob("*.safetensors"):
+        state = load_file(str(f))
+        if odd in state:
+            state[odd] = state[odd] + 1.0
+            save_file(state, str(f), metadata={"format": "pt"})
+    try:
+        engine._landed = engine._map_weights(str(folder))
+        assert engine._landed == set(engine.weight_spec().names()) - {odd}
+        changes = perturbed({n: original[n] for n in [odd, LAYER1_MLP[0]]})
+        calls = rpc_calls(engine, monkeypatch)
+        begun, begin = [], engine._engine.begin_weight_update if engine._sessions else None
+        if begin is not None:
+            monkeypatch.setattr(engine._engine, "begin_weight_update", lambda *a: (begun.append(1), begin(*a))[1])
+        engine.update_weights(as_buckets(changes, engine.device))
+        out = engine.generate(PROMPTS, GREEDY)
+        assert reference_logprob_diff(engine.model_path, out, changes) <= 1e-4
+        if begin is not None:  # SGLang's loader runs in a session, and is refused outside one
+            assert begun == [1]
+            (name, kwargs), = [c for c in calls if c[0] == "gearshift_load"]
+            with pytest.raises(AssertionError, match="between begin_weight_update"):
+                engine._engine.collective_rpc(name, **{**kwargs, "payload": ""})  # the scheduler holds the layout
+    finally:
+        monkeypatch.undo()
+        engine.update_weights(as_buckets(original, engine.device))
+        engine._landed = engine._map_weights(engine.model_path)
+    assert engine._landed == set(engine.weight_spec().names())
