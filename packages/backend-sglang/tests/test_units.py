@@ -165,6 +165,18 @@ def test_on_a_cpu_the_kv_cache_keeps_its_own_size():
     assert cpu["max_total_tokens"] == (256 << 20) // per_token
 
 
+def test_on_a_gpu_sglang_samples_in_plain_torch_unless_asked_otherwise():
+    from gearshift_sglang import SGLangRolloutEngine
+
+    assert _arguments_on(True)["sampling_backend"] == "pytorch"  # flashinfer's kernels would compile first
+    assert "sampling_backend" not in _arguments_on(False)  # the CPU keeps SGLang's own choice
+    chosen = SGLangRolloutEngine.Options(sampling_backend="flashinfer")
+    assert _arguments_on(True, chosen)["sampling_backend"] == "flashinfer"
+    assert _arguments_on(False, chosen)["sampling_backend"] == "flashinfer"
+    over = SGLangRolloutEngine.Options(sampling_backend="flashinfer", engine_kwargs={"sampling_backend": "pytorch"})
+    assert _arguments_on(True, over)["sampling_backend"] == "pytorch"
+
+
 def _flat_buckets(dtype):
     import pytest
     import torch

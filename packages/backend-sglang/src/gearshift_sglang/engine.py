@@ -118,7 +118,12 @@ class SGLangRolloutEngine(RolloutEngine):
                                          "scheduler process, through views found and checked against the "
                                          "checkpoint at start (the rest through SGLang's loader); False: "
                                          "every weight through SGLang's loader (flattened buckets)")
-        engine_kwargs: dict[str, Any] = option({}, "passed to sglang.Engine as they are")
+        sampling_backend: str | None = option(None, "SGLang's sampling kernels ('pytorch', 'flashinfer'); "
+                                                    "None: 'pytorch' on a GPU (flashinfer's top-k/top-p kernels "
+                                                    "compile with nvcc on first use, for minutes; rollouts at "
+                                                    "temperature 1 without top-k/top-p sample in plain torch "
+                                                    "either way), SGLang's own choice on a CPU")
+        engine_kwargs: dict[str, Any] = option({}, "passed to sglang.Engine as they are (over every option)")
 
     def __init__(self, args: RolloutArgs, options: "SGLangRolloutEngine.Options | None" = None) -> None:
         """Start SGLang for `args.model` (a local Hugging Face folder); see `Options` and the README."""
@@ -181,9 +186,11 @@ class SGLangRolloutEngine(RolloutEngine):
         )
         if self.on_gpu:
             kwargs.update(base_gpu_id=self.device.index or 0, mem_fraction_static=opts.mem_fraction_static,
-                          enable_memory_saver=True)
+                          enable_memory_saver=True, sampling_backend=opts.sampling_backend or "pytorch")
         else:
             kwargs.update(device="cpu", attention_backend="torch_native", disable_cuda_graph=True)
+            if opts.sampling_backend:
+                kwargs["sampling_backend"] = opts.sampling_backend
         kv_bytes = opts.kv_cache_bytes or (None if self.on_gpu else DEFAULT_CPU_KV_CACHE_BYTES)
         if kv_bytes is not None:
             kwargs["max_total_tokens"] = max(1, int(kv_bytes) // kv_bytes_per_token(config, self.dtype))
