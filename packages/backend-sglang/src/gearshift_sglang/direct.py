@@ -109,29 +109,33 @@ class DirectLoad:
     def load(self, payload: str, buffer: int, layout: int, update: int, loader_allowed: bool = True) -> None:
         """Load one bucket: `payload` (empty when this buffer and layout were received before) names them.
         Weights that did not land are refused unless `loader_allowed` (SGLang's loader may run now)."""
-        if payload:
-            self._receive(payload, buffer, layout)
-        plan = self.layouts.get(layout) if buffer == self.buffer_id else None
-        if plan is None:
-            raise RuntimeError(f"gearshift: layout {layout} of buffer {buffer} was never received by this scheduler "
-                               f"(it holds buffer {self.buffer_id})")
-        if update != self.checked_update:  # once per update: the views are still SGLang's parameters
-            self.checked_update = update
-            if not self._views_valid():
-                plan = self.layouts[layout]
-        if plan.rest and not loader_allowed:
-            raise RuntimeError(f"gearshift: {len(plan.rest)} weights of this bucket go through SGLang's loader, "
-                               f"which must run between begin_weight_update() and end_weight_update()")
+        plan = self._plan(payload, buffer, layout, update)
         if plan.rest:  # first: a refusal by SGLang then leaves the whole bucket unapplied
-            ok, message = self.runner.weight_updater.update_weights_from_tensor(named_tensors=plan.rest,
-                                                                                load_format=None)
-            if not ok:
-                raise RuntimeError(message)
+            self._through_loader(plan.rest, loader_allowed)
         if plan.dsts:
             copy_weights_(plan.dsts, plan.srcs)
         if plan.named and plan.named[0][1].is_cuda:
             # the host writes the next bucket into the same buffer as soon as this call returns
             torch.cuda.current_stream().synchronize()
+
+    def _plan(self, payload: str, buffer: int, layout: int, update: int) -> Layout:
+        if payload:
+            self._receive(payload, buffer, layout)
+        if buffer != self.buffer_id or layout not in self.layouts:
+            raise RuntimeError(f"gearshift: layout {layout} of buffer {buffer} was never received by this scheduler "
+                               f"(it holds buffer {self.buffer_id})")
+        if update != self.checked_update:  # once per update: the views are still SGLang's parameters
+            self.checked_update = update
+            self._check_views()
+        return self.layouts[layout]
+
+    def _through_loader(self, named: list[tuple[str, torch.Tensor]], allowed: bool) -> None:
+        if not allowed:
+            raise RuntimeError(f"gearshift: {len(named)} weights of this bucket go through SGLang's loader, "
+                               f"which must run between begin_weight_update() and end_weight_update()")
+        ok, message = self.runner.weight_updater.update_weights_from_tensor(named_tensors=named, load_format=None)
+        if not ok:
+            raise RuntimeError(message)
 
     def _receive(self, payload: str, buffer: int, layout: int) -> None:
         from sglang.srt.utils import MultiprocessingSerializer
@@ -145,17 +149,15 @@ class DirectLoad:
         named = [(m.name, flat[m.start_idx:m.end_idx].view(m.dtype).view(m.shape)) for m in data["metadata"]]
         self.layouts[layout] = Layout.of(named, self.landing)
 
-    def _views_valid(self) -> bool:
-        """False (and every weight through SGLang's loader from now on) if SGLang replaced a parameter."""
+    def _check_views(self) -> None:
+        """If SGLang replaced a parameter a view points into, every weight goes through its loader from now on."""
         moved = [leaf for module, leaf, param, ptr in self.owners
                  if module._parameters.get(leaf) is not param or param.data_ptr() != ptr]
-        if not moved:
-            return True
-        warnings.warn(f"gearshift: SGLang replaced {len(moved)} parameters that weights were written into "
-                      f"directly; every weight goes through SGLang's loader from now on", RuntimeWarning)
-        self.landing, self.owners = {}, []
-        self.layouts = {k: Layout.of(v.named, self.landing) for k, v in self.layouts.items()}
-        return False
+        if moved:
+            warnings.warn(f"gearshift: SGLang replaced {len(moved)} parameters that weights were written into "
+                          f"directly; every weight goes through SGLang's loader from now on", RuntimeWarning)
+            self.landing, self.owners = {}, []
+            self.layouts = {k: Layout.of(v.named, self.landing) for k, v in self.layouts.items()}
 
 
 def _with_aliases(checkpoint, aliases):
