@@ -100,5 +100,5 @@ def _map_weights(self, spec_path: str, checkpoint: str, path: str) -> None:
 def _load(self, payload: str, buffer: int, layout: int, update: int) -> None:
     # SGLang 0.5.23 keeps an update session (begin/end_weight_update) and refuses its own loads outside one:
     # weights that go through its loader are refused there too (0.5.17 has no sessions)
-    session = getattr(self.weight_updater, "_session", True) is not None
+    session = getattr(getattr(self, "weight_updater", None), "_session", True) is not None
     self.gearshift_direct.load(payload, buffer, layout, update, loader_allowed=session)

@@ -17,7 +17,7 @@ shared memory or CUDA IPC, and each tensor's name, shape, dtype and offsets)
 the first time its buffer and layout (its names, in order) are seen. The
 scheduler keeps the buffer and the views of each layout, so a later bucket of a
 known layout in the same buffer comes as two numbers: nothing is unpickled, no
-buffer is opened again, and nothing is done per tensor beyond the copy.
+buffer is opened again, and no view is made per tensor.
 
 SGLang's bookkeeping around an update: 0.5.23's weight-update session lets
 its loader undo and redo SGLang's own packing of weights (quantized, AMX);
