@@ -87,6 +87,8 @@ HOW: dict[str, tuple[str, str]] = {
     "bash tools/gpu/h200_realistic.sh build": ("gpu", "tools/gpu/h200_realistic.sh"),
     "bash tools/gpu/h200_realistic.sh profile": ("gpu", "tools/gpu/h200_realistic.sh"),
     "bash tools/gpu/h200_sglang.sh conformance bench scenario": ("gpu", "tools/gpu/h200_sglang.sh"),
+    "tools/gpu/background.sh": ("test", "tests/test_background_jobs.py"
+                                "::test_a_job_runs_on_after_its_call_and_its_exit_code_and_output_are_kept"),
 }
 
 
