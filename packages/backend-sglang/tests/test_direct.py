@@ -45,6 +45,8 @@ def test_every_weight_of_the_tiny_model_lands_fused_rows_included(engine):
     assert engine.direct_refusal is None
     assert engine._landed == set(engine.weight_spec().names())
     assert set(LAYER0_QKV + LAYER1_MLP) <= engine._landed
+    n = len(engine.weight_spec().names())
+    assert engine.load_path == f"direct: {n} of {n} weights written into the scheduler's parameters"
 
 
 def test_the_direct_load_gives_exactly_what_sglangs_own_loaders_give(engine, original, monkeypatch):

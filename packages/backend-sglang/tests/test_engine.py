@@ -66,6 +66,7 @@ def test_update_error_from_sglang_is_a_weight_error_and_the_engine_keeps_serving
     refusal = (False, "refused for the test")
     monkeypatch.setattr(engine._engine, "update_weights_from_tensor", lambda *a, **k: refusal)
     monkeypatch.setattr(engine, "_landed", None)  # direct_load=False: the update goes through SGLang's call
+    assert engine.load_path.startswith("flattened buckets")
     with pytest.raises(WeightError, match="refused for the test"):
         engine.update_weights(as_buckets(reference_weights(engine.model_path, engine.weight_spec()), engine.device))
     monkeypatch.undo()

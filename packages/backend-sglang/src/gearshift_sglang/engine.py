@@ -288,6 +288,15 @@ class SGLangRolloutEngine(RolloutEngine):
                 del tensors, bucket
         return loaded
 
+    @property
+    def load_path(self) -> str:
+        """How an update reaches SGLang's parameters, in words (benchmarks record it beside their figures)."""
+        if self._landed is None:
+            return "flattened buckets through SGLang's update_weights_from_tensor (direct_load off)"
+        total = len(self._spec.names())
+        said = f"direct: {len(self._landed & set(self._spec.names()))} of {total} weights written into the scheduler's parameters"
+        return said + (f"; the rest through SGLang's loader ({self.direct_refusal})" if self.direct_refusal else "")
+
     def _all_landed(self) -> bool:
         return self._landed is not None and self._landed.issuperset(self._spec.names())
 

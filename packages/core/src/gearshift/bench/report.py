@@ -121,6 +121,8 @@ class SwitchBench:
                          f"{self.bytes / whole:.3f}x the {whole / 1e6:.3f} MB of whole weights "
                          f"({self.extra['whole_from_other_ranks'] / 1e6:.3f} MB of them from other ranks)")
             lines.append(f"{'sync with whole weights declared':<38}{s:10.4f} s  sync is {self.sync_s / s:.2f}x")
+        if self.extra.get("rollout_load_path"):
+            lines.append(f"{'rollout engine loads by':<38}{self.extra['rollout_load_path']}")
         return "\n".join(lines)
 
     def plot(self, path: str | Path) -> bool:

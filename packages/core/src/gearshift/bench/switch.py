@@ -119,6 +119,7 @@ def measure_pair(train, rollout, switches: int = 5, naive_switches: int = 3, nai
                        median_report(naive), base["copy_s"], base["engine_load_s"], base["pcie_s"], adapter,
                        base["foreach_s"], base["tensors"],
                        extra={"train_mesh": str(plan.src.mesh), "rollout_mesh": str(plan.dst.mesh),
+                              "rollout_load_path": getattr(rollout, "load_path", None),
                               "from_other_ranks": sum(received.values()), "to_other_ranks": sum(sent.values())})
 
 
