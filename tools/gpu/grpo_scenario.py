@@ -31,11 +31,17 @@ import time
 from pathlib import Path
 
 MODELS = {"0.5b": "qwen2-0.5b", "1.5b": "qwen2-1.5b", "7b": "qwen2-7b"}
-#: seconds a step is expected to need beside decoding, by model, and per answer token decoded (for --budget-s;
-#: seen on one H200 with 256 samples a step and vLLM's CUDA graphs: 3.3-3.6 s to decode 256 tokens at every size,
-#: the 7B step 10.3 s)
-STEP_S = {"0.5b": 4.0, "1.5b": 5.0, "7b": 7.0}
-TOKEN_S = 0.015
+#: seconds a step is expected to need per answer token, by model (for --budget-s), and a cell's start (engines
+#: up, CUDA graphs captured): seen on one H200 with 32 x 8 samples a step, vLLM's CUDA graphs and no memory
+#: options, the 0.5B step 15.8 s at 1,024 tokens, the 1.5B 5.5 s at 256 and the 7B 10.3 s at 256 and 47.4 s
+#: at 1,024 (tokens/s falls with the answer length: the training attention and the KV cache grow with it)
+STEP_TOKEN_S = {"0.5b": 0.016, "1.5b": 0.022, "7b": 0.047}
+START_S = 90
+
+
+def expected_s(cell: dict, steps: int) -> float:
+    """The seconds a cell is expected to take, start included."""
+    return START_S + steps * STEP_TOKEN_S[cell["model"]] * cell["tokens"]
 
 
 def parse_cell(cell: str) -> dict:
@@ -85,7 +91,8 @@ def summarize(c: dict, rows: list[dict], code: int, seconds: float, tail: str) -
                                                                       default=None),
             "moved_gb": med("switch/offload_gb"), "slept": med("switch/rollout_slept"),
             "micro_batches": med("train/micro_batches"), "tokens_per_s": med("rollout/tokens_per_s"),
-            "error": None if code == 0 else tail[-2000:]}
+            "error": None if code == 0 else (f"stopped at the time budget after {len(rows)} steps" if code == STOPPED
+                                             else tail[-2000:])}
 
 
 #: the exit code of a cell stopped at the time budget (as `timeout` reports it)
@@ -127,8 +134,11 @@ def main() -> int:
     out.mkdir(parents=True, exist_ok=True)
     start, results, skipped = time.time(), [], []
     for cell in [parse_cell(c) for c in args.cells.split(",") if c]:
-        need = 60 + args.steps * (STEP_S[cell["model"]] + TOKEN_S * cell["tokens"])
+        need = expected_s(cell, args.steps)
         left = args.budget_s - (time.time() - start) if args.budget_s else None
+        if left is not None and not results and need > left:
+            print(f"[{cell['cell']}] expected to need about {need:.0f} s for {args.steps} steps: the budget's "
+                  f"{left:.0f} s stops it first (raise --budget-s to finish it)", flush=True)
         # the first cell always starts (stopped at the budget, it keeps the steps it finished); a later one
         # only when it is expected to finish
         if left is not None and results and need > left:

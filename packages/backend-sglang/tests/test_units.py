@@ -181,7 +181,10 @@ def _flat_buckets(dtype):
     import pytest
     import torch
 
-    pytest.importorskip("sglang")
+    import importlib.util
+
+    if importlib.util.find_spec("sglang") is None:  # importing it needs the backend's stand-ins (below)
+        pytest.skip("sglang is not installed")
     from gearshift_sglang.imports import importing_sglang
     from gearshift_sglang.weights import FlatBuckets
 
@@ -192,10 +195,11 @@ def _flat_buckets(dtype):
 
 def test_a_bucket_is_cast_into_typed_views_of_the_buffer_and_read_back_as_sglang_reads_it():
     import torch
+
+    flat = _flat_buckets(torch.bfloat16)  # first: sglang imports inside the backend's stand-ins
     from sglang.srt.utils import MultiprocessingSerializer
     from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket
 
-    flat = _flat_buckets(torch.bfloat16)
     tensors = {"a.weight": torch.randn(3, 5), "b.bias": torch.randn(7), "c.weight": torch.randn(2, 2, 2)}
     layout = flat.pack(tensors)
     for view, t in zip(layout.views, tensors.values()):
@@ -224,3 +228,47 @@ def test_a_layout_is_kept_with_its_buffer_and_worked_out_again_when_the_buffer_g
     relaid = flat.pack(small)
     assert relaid is not first and not flat.delivered(relaid), "the old views were into the old buffer"
     assert torch.equal(relaid.views[1], torch.ones(2, 2))
+
+
+def test_buckets_added_to_a_group_read_back_as_one_layout_and_the_same_group_is_the_same_layout():
+    import torch
+
+    flat = _flat_buckets(torch.bfloat16)  # first: sglang imports inside the backend's stand-ins
+    from sglang.srt.utils import MultiprocessingSerializer
+    from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket
+
+    flat.group_bytes = 64
+    first, second = {"a": torch.randn(3, 5), "b": torch.randn(7)}, {"c": torch.randn(2, 2, 2)}
+    assert flat.add(first) and flat.add(second)
+    assert flat.open_bytes == (15 + 7 + 8) * 2
+    layout = flat.close()
+    assert flat.open_bytes == 0 and flat.close() is None
+    data = MultiprocessingSerializer.deserialize(flat.payload(layout))
+    read = dict(FlattenedTensorBucket(flattened_tensor=data["flattened_tensor"],
+                                      metadata=data["metadata"]).reconstruct_tensors())
+    both = {**first, **second}
+    assert list(read) == list(both) and all(torch.equal(read[n], t.to(torch.bfloat16)) for n, t in both.items())
+    flat.mark_delivered(layout)
+    assert flat.add({"a": torch.zeros(3, 5), "b": torch.zeros(7)}) and flat.add({"c": torch.zeros(2, 2, 2)})
+    again = flat.close()
+    assert again is layout and flat.delivered(again) and torch.equal(again.views[2], torch.zeros(2, 2, 2))
+    # the same names in one bucket at the start of a group: `pack`'s layout is the group's
+    assert flat.pack({"a": torch.ones(3, 5), "b": torch.ones(7), "c": torch.ones(2, 2, 2)}) is layout
+
+
+def test_a_bucket_that_does_not_fit_beside_the_open_group_is_refused_and_an_empty_group_grows_the_buffer():
+    import torch
+
+    flat = _flat_buckets(torch.float32)
+    flat.group_bytes = 32
+    assert flat.add({"a": torch.ones(4)}) and flat.buffer_id == 1  # a buffer of group_bytes
+    assert not flat.add({"b": torch.ones(6)}), "16 + 24 bytes do not fit in 32"
+    assert flat.open_bytes == 16, "a refused bucket copies nothing"
+    flat.close()
+    assert flat.add({"b": torch.ones(6)}) and flat.buffer_id == 1
+    flat.close()
+    assert flat.add({"big": torch.full((20,), 2.0)}) and flat.buffer_id == 2, "one bucket larger than the buffer"
+    assert torch.equal(flat.close().views[0], torch.full((20,), 2.0))
+    flat.add({"a": torch.ones(4)})
+    flat.drop_open()
+    assert flat.open_bytes == 0

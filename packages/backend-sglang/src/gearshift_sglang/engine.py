@@ -118,6 +118,11 @@ class SGLangRolloutEngine(RolloutEngine):
                                          "scheduler process, through views found and checked against the "
                                          "checkpoint at start (the rest through SGLang's loader); False: "
                                          "every weight through SGLang's loader (flattened buckets)")
+        load_group_bytes: int = option(1 << 30, "with direct_load, buckets are gathered in the flat buffer up to "
+                                                "this many bytes (the whole model when smaller) and sent to the "
+                                                "scheduler in one call: one round trip per group instead of one "
+                                                "per bucket (a 7B sync has about 100 buckets of 128 MiB); the "
+                                                "trainer's side keeps a buffer of this size on its device")
         sampling_backend: str | None = option(None, "SGLang's sampling kernels ('pytorch', 'flashinfer'); "
                                                     "None: 'pytorch' on a GPU (flashinfer's top-k/top-p kernels "
                                                     "compile with nvcc on first use, for minutes; rollouts at "
@@ -168,7 +173,11 @@ class SGLangRolloutEngine(RolloutEngine):
         info = self._engine._scheduler_init_result.scheduler_infos[0]
         self.max_model_len = int(info.get("max_req_input_len", self._engine.tokenizer_manager.context_len))
         self._tokenizer = self._engine.tokenizer_manager.tokenizer
-        self._flat = FlatBuckets(self.device, self.dtype)
+        # a group holds at most the whole model, in the engine's dtype, with room for each tensor's alignment
+        whole = sum(p.nbytes // p.dtype.itemsize * self.dtype.itemsize + self.dtype.itemsize for p in self._spec)
+        if opts.load_group_bytes < 1:
+            raise ValueError(f"load_group_bytes={opts.load_group_bytes} must be >= 1")
+        self._flat = FlatBuckets(self.device, self.dtype, group_bytes=min(int(opts.load_group_bytes), whole))
         self._updates = 0  # numbers each update for the scheduler (it checks its views once per update)
         self.direct_refusal: str | None = None
         #: the weights written straight into SGLang's parameters (None: direct_load is off)
@@ -269,24 +278,49 @@ class SGLangRolloutEngine(RolloutEngine):
 
         Each bucket is checked before any of it is sent; the buckets before a bad one stay applied.
         The prefix cache is flushed once, after the last bucket, however the update ends. With
-        `direct_load`, one call into the scheduler per bucket copies the weights that landed straight
-        into SGLang's parameters and hands the rest to its loader (direct.py); where every weight lands,
+        `direct_load`, the buckets are gathered in the flat buffer up to `load_group_bytes` and one call
+        into the scheduler per group copies the weights that landed straight into SGLang's parameters and
+        hands the rest to its loader (direct.py); where every weight lands,
         no begin/end session is opened (it lets SGLang undo and redo its own packing of weights around
         its loader, and a weight it packs never lands).
         """
-        loaded, applied = 0, 0
+        loaded, applied, grouped = 0, 0, 0
         with self._weight_update(session=self._sessions and not self._all_landed()):
-            for bucket in buckets:
-                try:
-                    tensors = self._spec.check(bucket.tensors, self.rank)
-                except WeightError as e:
-                    raise WeightError(f"{e} ({applied} weights from the buckets before it were applied)") from e
-                if tensors:
-                    self._load(tensors, applied)
-                loaded += bucket.nbytes
-                applied += len(tensors)
-                del tensors, bucket
+            try:
+                for bucket in buckets:
+                    try:
+                        tensors = self._spec.check(bucket.tensors, self.rank)
+                    except WeightError as e:
+                        applied += self._send_group(applied, grouped)  # the buckets before it stay applied
+                        raise WeightError(f"{e} ({applied} weights from the buckets before it were applied)") from e
+                    if tensors and self._landed is None:
+                        self._load(tensors, applied)
+                        applied += len(tensors)
+                    elif tensors:  # gathered into the open group, sent when it is full
+                        if not self._flat.add(tensors):
+                            applied += self._send_group(applied, grouped)
+                            grouped = 0
+                            self._flat.add(tensors)
+                        grouped += len(tensors)
+                        if self._flat.open_bytes >= self._flat.group_bytes:
+                            applied += self._send_group(applied, grouped)
+                            grouped = 0
+                    loaded += bucket.nbytes
+                    del tensors, bucket
+                applied += self._send_group(applied, grouped)
+            finally:
+                self._flat.drop_open()
         return loaded
+
+    def _send_group(self, applied: int, count: int) -> int:
+        """Send the open group of buckets to the scheduler; the number of weights in it."""
+        layout = self._flat.close()
+        if layout is not None:
+            ok, message = self._load_direct(layout)
+            if not ok:
+                raise WeightError(f"SGLang refused the weights: {message} ({applied} weights from the buckets "
+                                  f"before it were applied)")
+        return count if layout is not None else 0
 
     @property
     def load_path(self) -> str:
@@ -294,7 +328,8 @@ class SGLangRolloutEngine(RolloutEngine):
         if self._landed is None:
             return "flattened buckets through SGLang's update_weights_from_tensor (direct_load off)"
         total = len(self._spec.names())
-        said = f"direct: {len(self._landed & set(self._spec.names()))} of {total} weights written into the scheduler's parameters"
+        said = (f"direct: {len(self._landed & set(self._spec.names()))} of {total} weights written into the "
+                f"scheduler's parameters, in groups of up to {self._flat.group_bytes / 1e6:.0f} MB")
         return said + (f"; the rest through SGLang's loader ({self.direct_refusal})" if self.direct_refusal else "")
 
     def _all_landed(self) -> bool:
@@ -319,7 +354,7 @@ class SGLangRolloutEngine(RolloutEngine):
 
     def _load(self, tensors: dict[str, torch.Tensor], applied: int) -> None:
         layout = self._flat.pack(tensors)
-        ok, message = self._load_flattened(layout) if self._landed is None else self._load_direct(layout)
+        ok, message = self._load_flattened(layout)
         if not ok:
             raise WeightError(f"SGLang refused the weights: {message} ({applied} weights from the buckets before "
                               f"it were applied)")

@@ -39,15 +39,21 @@ class FlatBuckets:
     Every tensor is packed in `dtype`; a name keeps its shape between buckets (the engine checks each
     bucket against its spec first)."""
 
-    def __init__(self, device: torch.device, dtype: torch.dtype) -> None:
+    def __init__(self, device: torch.device, dtype: torch.dtype, group_bytes: int = 0) -> None:
         self.device = device
         self.dtype = dtype
+        #: the size a group of buckets (`add`) fills before it is sent; the buffer holds at least this much
+        self.group_bytes = int(group_bytes)
         self._buffer: torch.Tensor | None = None
         #: which buffer this is: a new one (grown) gets a new number, and every layout is worked out again
         self.buffer_id = 0
         self._layouts: dict[tuple[str, ...], FlatLayout] = {}
         self._delivered: set[int] = set()
         self._next_layout = 0
+        #: the open group: (name, shape, start, end) of every tensor added since the last `close`
+        self._open: list[tuple[str, torch.Size, int, int]] = []
+        #: views of the buffer for a bucket added at an offset, by (offset, names), kept while the buffer is
+        self._part_views: dict[tuple[int, tuple[str, ...]], list[torch.Tensor]] = {}
 
     def pack(self, tensors: dict[str, torch.Tensor]) -> FlatLayout:
         """Copy (casting) `tensors` into the buffer; their layout there."""
@@ -61,6 +67,50 @@ class FlatBuckets:
             # again, and opening is what would have waited on this process's stream
             torch.cuda.current_stream(self._buffer.device).synchronize()
         return layout
+
+    # --- groups: several buckets in one layout, sent as one -------------------------------------
+    @property
+    def open_bytes(self) -> int:
+        """The bytes of the open group (0: none)."""
+        return self._open[-1][3] if self._open else 0
+
+    def add(self, tensors: dict[str, torch.Tensor]) -> bool:
+        """Copy (casting) `tensors` into the buffer after the open group's; False, with nothing copied, when
+        they do not fit beside it (close the group first). Into an empty group they always go: the buffer
+        grows when one bucket needs more (a new buffer, every layout worked out again)."""
+        start = self.open_bytes
+        spans = self._spans(tensors, start)
+        end = spans[-1][3] if spans else start
+        if self._buffer is None or self._buffer.numel() < end:
+            if self._open:
+                return False
+            self._take(max(end, self.group_bytes))
+        key = (start, tuple(tensors))
+        views = self._part_views.get(key)
+        if views is None:
+            views = self._part_views[key] = self._views(spans)
+        with torch.no_grad():  # a trainer's parameter is read, never made part of a graph
+            copy_weights_(views, list(tensors.values()))
+        self._open.extend(spans)
+        return True
+
+    def close(self) -> FlatLayout | None:
+        """The open group's layout (the copies into it finished), the group emptied; None when it was empty.
+        A group of the same names, in the same order, is the same layout every time (`delivered` holds)."""
+        if not self._open:
+            return None
+        spans, self._open = self._open, []
+        key = tuple(n for n, _, _, _ in spans)
+        layout = self._layouts.get(key)
+        if layout is None:
+            layout = self._layout_of(key, spans)
+        if self._buffer.is_cuda:
+            torch.cuda.current_stream(self._buffer.device).synchronize()  # as `pack` does
+        return layout
+
+    def drop_open(self) -> None:
+        """Forget the open group (an update that failed half way)."""
+        self._open = []
 
     def payload(self, layout: FlatLayout) -> str:
         """The serialized payload for `update_weights_from_tensor(..., load_format="flattened_bucket")`."""
@@ -78,21 +128,30 @@ class FlatBuckets:
         self._delivered.add(layout.id)
 
     def _layout(self, tensors: dict[str, torch.Tensor]) -> FlatLayout:
-        from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorMetadata
+        spans = self._spans(tensors, 0)
+        self._take(spans[-1][3] if spans else 0)
+        return self._layout_of(tuple(tensors), spans)
 
-        itemsize = self.dtype.itemsize
-        spans, offset = [], 0
+    def _spans(self, tensors: dict[str, torch.Tensor], offset: int) -> list[tuple[str, torch.Size, int, int]]:
+        """(name, shape, start, end) of each tensor packed from byte `offset` on."""
+        itemsize, spans = self.dtype.itemsize, []
         for name, t in tensors.items():
             offset = _aligned(offset, itemsize)
             spans.append((name, torch.Size(t.shape), offset, offset + t.numel() * itemsize))
             offset = spans[-1][3]
-        flat = self._take(offset)
+        return spans
+
+    def _views(self, spans) -> list[torch.Tensor]:
+        return [self._buffer[start:end].view(self.dtype).view(shape) for _, shape, start, end in spans]
+
+    def _layout_of(self, names: tuple[str, ...], spans) -> FlatLayout:
+        from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorMetadata
+
         metadata = [FlattenedTensorMetadata(name=n, shape=shape, dtype=self.dtype, start_idx=start, end_idx=end,
                                             numel=end - start) for n, shape, start, end in spans]
-        views = [flat[start:end].view(self.dtype).view(shape) for _, shape, start, end in spans]
         self._next_layout += 1
-        layout = FlatLayout(self._next_layout, offset, metadata, views)
-        self._layouts[tuple(tensors)] = layout
+        layout = FlatLayout(self._next_layout, spans[-1][3] if spans else 0, metadata, self._views(spans))
+        self._layouts[names] = layout
         return layout
 
     def _take(self, nbytes: int) -> torch.Tensor:
@@ -110,6 +169,8 @@ class FlatBuckets:
         self._buffer = None
         self._layouts.clear()
         self._delivered.clear()
+        self._part_views.clear()
+        self._open = []
 
 
 def _aligned(offset: int, itemsize: int) -> int:

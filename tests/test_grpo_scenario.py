@@ -1,0 +1,47 @@
+"""tools/gpu/grpo_scenario.py's bookkeeping, without a GPU: a cell's time estimate, a budget stop, a cell's
+process group ended at the budget."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+import time
+from pathlib import Path
+
+SCRIPT = Path(__file__).resolve().parents[1] / "tools" / "gpu" / "grpo_scenario.py"
+
+
+def load():
+    spec = importlib.util.spec_from_file_location("grpo_scenario", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_estimate_grows_with_the_answer_length_and_covers_the_7b_1024_cell_seen_on_the_h200():
+    s = load()
+    cell = s.parse_cell("7b-1024-fsdp-auto")
+    # seen: 19 steps of 47.4 s (median) and the engines' start filled a 1,000 s budget
+    assert s.expected_s(cell, 20) > 1000
+    assert s.expected_s(s.parse_cell("7b-256-fsdp-auto"), 20) < s.expected_s(cell, 20) / 3
+    assert s.expected_s(s.parse_cell("0.5b-1024-fsdp-auto"), 20) < s.expected_s(cell, 20)
+
+
+def test_a_cell_stopped_at_the_budget_says_so_and_keeps_its_steps():
+    s = load()
+    rows = [{"time/step": 40.0 + i, "time/rollout": 20.0, "time/train": 20.0} for i in range(5)]
+    stopped = s.summarize(s.parse_cell("7b-1024-fsdp-auto"), rows, s.STOPPED, 1000.0, "Capturing CUDA graphs ...")
+    assert stopped["error"] == "stopped at the time budget after 5 steps"
+    assert stopped["steps"] == 5 and stopped["step_s"] == 43.0  # the median after the first two steps
+    failed = s.summarize(s.parse_cell("7b-1024-fsdp-auto"), rows, 1, 10.0, "CUDA out of memory")
+    assert failed["error"] == "CUDA out of memory"
+
+
+def test_a_cell_past_its_time_is_ended_with_its_process_group():
+    s = load()
+    t0 = time.time()
+    code, output = s.run_cell([sys.executable, "-c", "import subprocess, sys, time; print('up', flush=True); "
+                               "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']); "
+                               "time.sleep(60)"], timeout=3)
+    assert code == s.STOPPED and "up" in output
+    assert time.time() - t0 < 30  # the child holding the pipe was killed too
