@@ -24,8 +24,8 @@ The scheduler gets two methods that the engine calls through SGLang's
   where each weight of the pickled spec at `spec_path` lands in the model's
   parameters, verified against the checkpoint in folder `checkpoint`, and writes
   the landed names to `path` as JSON (`direct.DirectLoad.map`).
-- `gearshift_load(payload, buffer, layout, update)`: one bucket, copied from the
-  flat buffer into those views, the rest through SGLang's loader
+- `gearshift_load(payload, buffer, layout, update)`: one group of buckets, copied
+  from the flat buffer into those views, the rest through SGLang's loader
   (`direct.DirectLoad.load`).
 """
 

@@ -8,7 +8,8 @@ Qwen2-0.5B's 290 tensors. Here the scheduler works out once, at engine start
 weight of the engine's spec lands in (`gearshift.landing`: rows of the fused
 q/k/v and gate/up parameters, a padded vocabulary's first rows, a tied head),
 and keeps only the views that hold exactly the checkpoint's tensors. A bucket
-is then one batched copy from the flat buffer into those views
+(the host sends several of the trainer's buckets as one, up to its
+`load_group_bytes`) is then one batched copy from the flat buffer into those views
 (`copy_weights_`); the weights that did not land go through SGLang's own
 loader, as before.
 
