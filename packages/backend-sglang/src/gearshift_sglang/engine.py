@@ -284,43 +284,38 @@ class SGLangRolloutEngine(RolloutEngine):
         no begin/end session is opened (it lets SGLang undo and redo its own packing of weights around
         its loader, and a weight it packs never lands).
         """
-        loaded, applied, grouped = 0, 0, 0
+        loaded, applied = 0, 0
         with self._weight_update(session=self._sessions and not self._all_landed()):
             try:
                 for bucket in buckets:
                     try:
                         tensors = self._spec.check(bucket.tensors, self.rank)
                     except WeightError as e:
-                        applied += self._send_group(applied, grouped)  # the buckets before it stay applied
+                        applied += self._send_group(applied)  # the buckets before it stay applied
                         raise WeightError(f"{e} ({applied} weights from the buckets before it were applied)") from e
                     if tensors and self._landed is None:
                         self._load(tensors, applied)
                         applied += len(tensors)
                     elif tensors:  # gathered into the open group, sent when it is full
                         if not self._flat.add(tensors):
-                            applied += self._send_group(applied, grouped)
-                            grouped = 0
+                            applied += self._send_group(applied)
                             self._flat.add(tensors)
-                        grouped += len(tensors)
                         if self._flat.open_bytes >= self._flat.group_bytes:
-                            applied += self._send_group(applied, grouped)
-                            grouped = 0
+                            applied += self._send_group(applied)
                     loaded += bucket.nbytes
                     del tensors, bucket
-                applied += self._send_group(applied, grouped)
+                applied += self._send_group(applied)
             finally:
                 self._flat.drop_open()
         return loaded
 
-    def _send_group(self, applied: int, count: int) -> int:
-        """Send the open group of buckets to the scheduler; the number of weights in it."""
+    def _send_group(self, applied: int) -> int:
+        """Send the open group of buckets to the scheduler; the number of weights in it (0: none was open)."""
         layout = self._flat.close()
-        if layout is not None:
-            ok, message = self._load_direct(layout)
-            if not ok:
-                raise WeightError(f"SGLang refused the weights: {message} ({applied} weights from the buckets "
-                                  f"before it were applied)")
-        return count if layout is not None else 0
+        if layout is None:
+            return 0
+        self._refused(*self._load_direct(layout), applied)
+        return len(layout.metadata)
 
     @property
     def load_path(self) -> str:
@@ -353,8 +348,11 @@ class SGLangRolloutEngine(RolloutEngine):
                 self._flush()
 
     def _load(self, tensors: dict[str, torch.Tensor], applied: int) -> None:
-        layout = self._flat.pack(tensors)
-        ok, message = self._load_flattened(layout)
+        self._refused(*self._load_flattened(self._flat.pack(tensors)), applied)
+
+    @staticmethod
+    def _refused(ok: bool, message: str, applied: int) -> None:
+        """A `WeightError` where SGLang's scheduler refused a load, saying how many weights were applied before."""
         if not ok:
             raise WeightError(f"SGLang refused the weights: {message} ({applied} weights from the buckets before "
                               f"it were applied)")
