@@ -111,6 +111,7 @@ TWO_RANKS = textwrap.dedent("""
     import os, torch
     import torch.distributed as dist
     from gearshift import dist as gdist
+    from gearshift import shared_prefix
     from gearshift_fsdp.engine import FSDPTrainEngine
     from gearshift.rl.algos import TOKENS_PER_SEQ, make_policy_loss_fn, tokens_per_seq
     from gearshift.train import TrainBatch
@@ -119,7 +120,8 @@ TWO_RANKS = textwrap.dedent("""
     rank = gdist.rank()
     g = torch.Generator().manual_seed(rank)
     n = 7 if rank == 0 else 1
-    prompts = [torch.randint(32, 120, (3,), generator=g).tolist() for _ in range(n)]
+    shared = [torch.randint(32, 120, (3,), generator=g).tolist() for _ in range(3)]  # rank 0: 3 prompts, 7 rows
+    prompts = [shared[i % 3] for i in range(n)]
     responses = [torch.randint(32, 120, (int(k),), generator=g).tolist() for k in torch.randint(1, 20, (n,), generator=g)]
     batch = TrainBatch.from_sequences(prompts, responses)
     batch.extras.update(advantages=torch.randn(batch.loss_mask.shape, generator=g) * batch.loss_mask,
@@ -127,19 +129,23 @@ TWO_RANKS = textwrap.dedent("""
     batch.extras[TOKENS_PER_SEQ] = tokens_per_seq(batch.loss_mask)
     loss_fn = make_policy_loss_fn("ppo_clip")
     results = {}
-    for name, args in (("whole", {}), ("packed", {"max_tokens_per_micro_batch": 30})):
+    for name, args in (("whole", {}), ("packed", {"max_tokens_per_micro_batch": 30}),
+                       ("apart", {"max_tokens_per_micro_batch": 30, "share_prompts": False})):
         engine = FSDPTrainEngine.build(os.environ["MODEL"], lr=1e-3, max_grad_norm=None, param_dtype="float32",
                                        keep_grads=True, **args)
         metrics = engine.train_step(batch, loss_fn)
         grads = [p.grad.to_local().clone() for p in engine.model.parameters()]
         results[name] = (metrics, grads)
-    (whole, whole_grads), (packed, packed_grads) = results["whole"], results["packed"]
+    whole, whole_grads = results["whole"]
+    packed = results["packed"][0]
     plans = [None, None]
-    dist.all_gather_object(plans, len(batch.packed_rows(30)))
+    dist.all_gather_object(plans, len(shared_prefix.packed_micro_batches(batch, 30)))
     assert whole["micro_batches"] == 1 and packed["micro_batches"] == max(plans) and plans[0] != plans[1], plans
-    assert abs(packed["loss"] - whole["loss"]) <= 1e-5 * abs(whole["loss"]) + 1e-7, (packed, whole)
-    for a, b in zip(packed_grads, whole_grads):
-        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-7)
+    assert whole["shared_frac"] > 0 and results["apart"][0]["shared_frac"] == 0  # rank 0's prompts computed once
+    for other, grads in (results["packed"], results["apart"]):
+        assert abs(other["loss"] - whole["loss"]) <= 1e-5 * abs(whole["loss"]) + 1e-7, (other, whole)
+        for a, b in zip(grads, whole_grads):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
     print(f"rank {rank}: OK {int(packed['micro_batches'])} micro-batches, own plan {plans[rank]}")
 """)
 

@@ -87,9 +87,14 @@ class FSDPSharding(Sharding):
     def local(self, tensor: torch.Tensor) -> torch.Tensor:
         return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
-    def forward(self, model: nn.Module, batch: TrainBatch, with_entropy: bool, value_head: bool) -> PolicyOutput:
+    @property
+    def shares_prompts(self) -> bool:
+        return self.mesh.sp == 1  # Ulysses splits the sequence: a packed prompt's mask would cross its ranks
+
+    def forward(self, model: nn.Module, batch: TrainBatch, with_entropy: bool, value_head: bool,
+                layout=None, mask_kind: str = "bool") -> PolicyOutput:
         if self.mesh.sp == 1:
-            return super().forward(model, batch, with_entropy, value_head)
+            return super().forward(model, batch, with_entropy, value_head, layout=layout, mask_kind=mask_kind)
         return ulysses.forward(model, batch, self.world_mesh["sp"], with_entropy, value_head=value_head)
 
     def clip_and_step(self, params, optimizer, max_grad_norm) -> float:

@@ -19,7 +19,9 @@ gathers the parameters its `materialized` is handed (`export_parameters(names)`)
 
 from __future__ import annotations
 
+import inspect
 import os
+import warnings
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,6 +31,7 @@ import torch
 import torch.distributed as dist
 
 from . import dist as gdist
+from . import shared_prefix
 from .hf import load_causal_lm, tied_aliases, write_hf_folder
 from .lora import LoraWeights, add_lora, hf_name
 from .micro_batch import even_out, micro_batch_rows, select_micro_batches, sum_metrics
@@ -102,6 +105,14 @@ class ModuleTrainEngine(TrainEngine):
         ), {a: t for a, t in aliases.items() if t in exported})
         self._stashes = {tag: HostStash() for tag in TRAIN_TAGS}  # kept: their host buffers are reused
         self._local_views: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # name -> (storage owner, its view)
+        #: shared prompts: None until the first forward has checked them on this model, then whether they hold
+        self._sharing_holds: bool | None = None
+        self._shared_cap: int | None = None  # the widest packed sequence of the micro-batches planned last
+        if args.share_prompts:
+            refused = self._sharing_refused()
+            if refused:
+                raise ValueError(f"train.share_prompts=true, but {refused}: set train.share_prompts=false (or leave "
+                                 f"it unset)")
 
     def state_tensors(self, tag: str) -> list[torch.Tensor]:
         """This rank's tensors behind an offload tag (params, grads, optimizer)."""
@@ -162,8 +173,86 @@ class ModuleTrainEngine(TrainEngine):
         """The parameters an export of `names` reads (with LoRA: their bases and adapters)."""
         return self.lora.parameters_read(names) if self.lora is not None else [self.trained[n] for n in names]
 
-    def _forward(self, batch: TrainBatch, with_entropy: bool) -> PolicyOutput:
-        return self.sharding.forward(self.model, batch.to(self.device), with_entropy, self.args.value_head)
+    # --- shared prompts (gearshift.shared_prefix) -------------------------------------------------------------
+    def _sharing_refused(self) -> str | None:
+        """Why this engine cannot share prompts, or None."""
+        if self.args.value_head:
+            return "a critic's values are computed row by row"
+        if not self.sharding.shares_prompts or "layout" not in inspect.signature(self.sharding.forward).parameters:
+            return f"{type(self.sharding).__name__}'s forward does not take rows packed by prompt"
+        kind = getattr(self.hf_model.config, "_attn_implementation", None)
+        if kind not in shared_prefix.MASK_KINDS:
+            return (f"the model's attention implementation {kind!r} takes no 4-D mask (one of "
+                    f"{sorted(shared_prefix.MASK_KINDS)} does)")
+        return None
+
+    def shares_prompts(self) -> bool:
+        """Whether micro-batches run their rows packed by prompt now: `train.share_prompts`, or by default on a
+        CPU; never where the model or sharding cannot (`_sharing_refused`) or the first check found otherwise."""
+        asked = self.args.share_prompts
+        if asked is False or self._sharing_holds is False:
+            return False
+        if asked is None and self.device.type != "cpu":
+            return False
+        return self._sharing_refused() is None
+
+    def _mask_kind(self) -> str:
+        return shared_prefix.MASK_KINDS[self.hf_model.config._attn_implementation]
+
+    def _layout(self, batch: TrainBatch) -> "shared_prefix.Layout | None":
+        """`batch`'s rows packed by prompt, when prompts are shared and two rows or more share one."""
+        if not self.shares_prompts():
+            return None
+        if self._sharing_holds is None:
+            self._check_sharing(batch)
+            if not self._sharing_holds:
+                return None
+        lay = shared_prefix.layout(batch, self._shared_cap)
+        return lay if lay.input_ids.shape[0] < batch.size else None
+
+    @torch.no_grad()
+    def _check_sharing(self, batch: TrainBatch) -> None:
+        """Run two rows of one prompt packed and apart, once, before the first shared forward (every rank at
+        once: its first forward): a model that applies a mask of its own instead of the one given is found here.
+        By default a mismatch turns sharing off with a warning; with `share_prompts=true` it raises."""
+        row = batch.input_ids[0, :int(batch.lengths[0])]
+        ok, gap, tolerance = True, None, 1e-3 if self.compute_dtype.itemsize >= 4 else 0.1
+        if len(row) >= 2:
+            p = max(1, len(row) // 2)
+            other = torch.cat([row[:p], row[p:].flip(0)])
+            pair = TrainBatch.from_sequences([row[:p].tolist()] * 2, [row[p:].tolist(), other[p:].tolist()])
+            pair = pair.to(self.device)
+            was = self.model.training
+            self.model.eval()
+            try:
+                apart = self.sharding.forward(self.model, pair, False, False).logprobs
+                packed = self.sharding.forward(self.model, pair, False, False, layout=shared_prefix.layout(pair),
+                                               mask_kind=self._mask_kind()).logprobs
+            finally:
+                self.model.train(was)
+                self.sharding.release(self.model)
+            gap = float((apart - packed).abs().mul(pair.attention_mask).max())
+            ok = gap <= tolerance
+        if self.mesh.world_size > 1 and gdist.is_distributed():  # every rank decides alike
+            flag = torch.tensor([1 if ok else 0], device=gdist.collective_device())
+            dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+            ok = bool(flag.item())
+        self._sharing_holds = ok
+        if not ok:
+            what = (f"{type(self.hf_model).__name__}'s log-probabilities differ by {gap:.3g} between two rows of "
+                    f"one prompt run apart and packed" if gap is not None and gap > tolerance
+                    else "another rank's check failed")
+            if self.args.share_prompts:
+                raise RuntimeError(f"train.share_prompts=true, but {what}: the model does not take the packed "
+                                   f"rows' attention mask; set train.share_prompts=false")
+            warnings.warn(f"shared prompts turned off: {what}", stacklevel=2)
+
+    def _forward(self, batch: TrainBatch, with_entropy: bool,
+                 layout: "shared_prefix.Layout | None" = None) -> PolicyOutput:
+        if layout is None:
+            return self.sharding.forward(self.model, batch.to(self.device), with_entropy, self.args.value_head)
+        return self.sharding.forward(self.model, batch.to(self.device), with_entropy, self.args.value_head,
+                                     layout=layout, mask_kind=self._mask_kind())
 
     def micro_batches(self, batch: TrainBatch,
                       training: bool = True) -> list[tuple[TrainBatch, torch.Tensor | None]]:
@@ -171,12 +260,20 @@ class ModuleTrainEngine(TrainEngine):
 
         Consecutive runs of `micro_batch_size` rows, or, with `max_tokens_per_micro_batch`, rows packed
         by length and each micro-batch trimmed to its longest row. On a GPU with neither set, rows are
-        packed under the token budget that fits in free device memory (`token_budget`). A sharded model
+        packed under the token budget that fits in free device memory (`token_budget`). With shared
+        prompts (`shares_prompts`) the budget counts packed sequences, a prompt's rows kept together
+        (`shared_prefix.packed_micro_batches`). A sharded model
         runs collectives in every forward and backward, so every rank of the mesh runs as many
         micro-batches as the rank with the most.
         """
         budget = self.args.max_tokens_per_micro_batch or self.token_budget(batch, training)
-        groups = micro_batch_rows(batch, max_rows=self.args.micro_batch_size, max_tokens=budget)
+        if self.shares_prompts():  # a prompt's rows kept together, each packed sequence within the budget
+            self._shared_cap = min(budget or shared_prefix.MAX_WIDTH, shared_prefix.MAX_WIDTH)
+            groups = (shared_prefix.packed_micro_batches(batch, budget, self.args.micro_batch_size,
+                                                         cap=self._shared_cap) if budget
+                      else micro_batch_rows(batch, max_rows=self.args.micro_batch_size))
+        else:
+            groups = micro_batch_rows(batch, max_rows=self.args.micro_batch_size, max_tokens=budget)
         count = len(groups)
         if self.mesh.world_size > 1 and gdist.is_distributed():
             most = torch.tensor([count], device=gdist.collective_device())
@@ -242,7 +339,8 @@ class ModuleTrainEngine(TrainEngine):
         self.need_onloaded(["params"], "run forward")
         self.model.eval()
         try:
-            parts = [(self._forward(mb, with_entropy), rows) for mb, rows in self.micro_batches(batch, training=False)]
+            parts = [(self._forward(mb, with_entropy, self._layout(mb)), rows)
+                     for mb, rows in self.micro_batches(batch, training=False)]
         finally:
             self.sharding.release(self.model)  # no backward comes to free what the forward gathered
 
@@ -264,16 +362,19 @@ class ModuleTrainEngine(TrainEngine):
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
         seen: list[tuple[str, Any, float, bool]] = []  # (key, value, weight, a real micro-batch)
-        computed = 0
+        computed = real = 0  # positions computed, and the tokens among them
         micro_batches = self.micro_batches(batch)
         for mb, rows in micro_batches:
             # weighted by their share of the sequences: losses that divide by the whole batch's counts
             # (token_mean with tokens_per_seq) then add up to the whole batch's loss, whatever the sizes
             weight = 0.0 if rows is None else mb.size / batch.size
-            out = self._forward(mb, with_entropy=True)
+            layout = self._layout(mb)
+            out = self._forward(mb, with_entropy=True, layout=layout)
             loss, metrics = loss_fn(out, mb.to(self.device))
             self.sharding.backward(loss * weight)
-            computed += 0 if rows is None else mb.size * mb.width
+            if rows is not None:
+                computed += layout.computed if layout else mb.size * mb.width
+                real += layout.real if layout else int(mb.lengths.sum())
             seen += [(k, v, weight, rows is not None) for k, v in {"loss": loss.detach(), **metrics}.items()]
         totals = sum_metrics(seen)
         totals["grad_norm"] = self.sharding.clip_and_step(list(self.trained.values()), self.optimizer,
@@ -282,7 +383,9 @@ class ModuleTrainEngine(TrainEngine):
             self.optimizer.zero_grad(set_to_none=True)
         totals["lr"] = self.optimizer.param_groups[0]["lr"]
         totals["micro_batches"] = float(len(micro_batches))
-        totals["pad_frac"] = 1.0 - float(batch.lengths.sum()) / max(computed, 1)  # share of computed tokens
+        totals["pad_frac"] = 1.0 - real / max(computed, 1)  # share of the computed positions that are padding
+        # share of the batch's tokens a shared prompt computed once for several rows
+        totals["shared_frac"] = 1.0 - real / max(float(batch.lengths.sum()), 1.0)
         return gdist.average_metrics(totals)
 
     def offload(self, tags: Sequence[str] = TRAIN_TAGS) -> int:

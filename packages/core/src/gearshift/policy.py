@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from . import shared_prefix
 from .train import PolicyOutput, TrainBatch, token_logprobs
 
 
@@ -41,9 +42,20 @@ class ValueHeadModel(nn.Module):
 
 
 def policy_forward(model: nn.Module, batch: TrainBatch, with_entropy: bool = False,
-                   value_head: bool = False) -> PolicyOutput:
+                   value_head: bool = False, layout: "shared_prefix.Layout | None" = None,
+                   mask_kind: str = "bool") -> PolicyOutput:
     """`model`'s log-probabilities of the batch's tokens (entropies when asked), or, for a `ValueHeadModel`
-    (`value_head`), its values, aligned like log-probabilities. `batch` is on the model's device."""
+    (`value_head`), its values, aligned like log-probabilities. `batch` is on the model's device.
+
+    With a `layout` (gearshift.shared_prefix), the model runs the batch's rows packed by prompt, under a 4-D
+    attention mask of `mask_kind` (`shared_prefix.MASK_KINDS`), and the log-probabilities come back per row."""
+    if layout is not None:
+        if value_head:
+            raise ValueError("shared prompts compute log-probabilities only, not a critic's values")
+        lay = layout.to(batch.input_ids.device)
+        out = model(input_ids=lay.input_ids, attention_mask=lay.attention_mask(mask_kind),
+                    position_ids=lay.position_ids, use_cache=False)
+        return shared_prefix.logprobs(out.logits, lay, batch.input_ids, with_entropy)
     out = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
                 position_ids=position_ids(batch.attention_mask), use_cache=False)
     if value_head:  # a critic: values instead of log-probabilities

@@ -14,7 +14,8 @@ passes its parallelism in as data the same way):
   this rank's shard of it (or of its gradient or optimizer state), its whole shape;
 - `optimizer(params, lr, weight_decay, betas)`, `backward(loss)`,
   `clip_and_step(params, optimizer, max_grad_norm)`: the update;
-- `forward(model, batch, with_entropy, value_head)`: log-probabilities (a sequence-parallel forward differs);
+- `forward(model, batch, with_entropy, value_head, layout, mask_kind)`: log-probabilities (a sequence-parallel
+  forward differs), of rows packed by prompt when given a `layout` and `shares_prompts` is true;
 - `materialized(params)`: gather weights not addressable shard by shard, around each bucket of an export;
 - `release(model)`: free weights gathered beyond the shards (after a forward with no backward, before offload);
 
@@ -32,6 +33,7 @@ from torch import nn
 
 from .mesh import MeshSpec, Placement
 from .policy import policy_forward
+from .shared_prefix import Layout
 from .train import PolicyOutput, TrainBatch
 
 
@@ -75,9 +77,16 @@ class Sharding:
         """The optimizer over the trained parameters. Default: torch's AdamW."""
         return torch.optim.AdamW(list(params), lr=lr, weight_decay=weight_decay, betas=tuple(betas))
 
-    def forward(self, model: nn.Module, batch: TrainBatch, with_entropy: bool, value_head: bool) -> PolicyOutput:
-        """Log-probabilities (values, for a critic) of `batch`, on the device already (`policy_forward`)."""
-        return policy_forward(model, batch, with_entropy, value_head)
+    @property
+    def shares_prompts(self) -> bool:
+        """Whether `forward` takes a `layout` (gearshift.shared_prefix: rows packed by prompt). Default: yes."""
+        return True
+
+    def forward(self, model: nn.Module, batch: TrainBatch, with_entropy: bool, value_head: bool,
+                layout: Layout | None = None, mask_kind: str = "bool") -> PolicyOutput:
+        """Log-probabilities (values, for a critic) of `batch`, on the device already (`policy_forward`); with a
+        `layout`, of its rows packed by prompt under a 4-D mask of `mask_kind`."""
+        return policy_forward(model, batch, with_entropy, value_head, layout=layout, mask_kind=mask_kind)
 
     def backward(self, loss: torch.Tensor) -> None:
         """Accumulate the gradients of one micro-batch's loss (weighed by its share of the batch already)."""

@@ -39,6 +39,10 @@ class TrainArgs(EngineArgs):
         None, "pack sequences by length into micro-batches of at most this many tokens, padding included "
               "(rows x the longest row; a longer sequence goes alone); with micro_batch_size, that many rows at "
               "most (None: micro-batches of micro_batch_size sequences)")
+    share_prompts: bool | None = option(
+        None, "compute a prompt once for all the rows that begin with it (GRPO's n samples): one packed sequence "
+              "per prompt, each row seeing the prompt and itself; the same log-probabilities and gradients up to "
+              "float rounding (None: on a CPU, where it was measured; off on a GPU until measured there)")
     value_head: bool = option(False, "a critic: a linear value head on the decoder; forward_logprobs returns values")
     dropout: bool = option(False, "train with the model's dropout; off by default, since an on-policy update "
                                   "with dropout is off-policy")
