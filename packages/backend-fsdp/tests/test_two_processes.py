@@ -71,6 +71,7 @@ def assert_all_passed(proc, outputs, nproc: int, must_pass: list[str], may_skip:
 
 
 MUST_PASS = ["TestFSDPTrain::test_forward_logprobs_match_transformers",
+             "TestFSDPTrain::test_rows_of_one_prompt_get_the_logprobs_each_gets_alone",
              "TestFSDPWithHFRollout::test_after_sync_rollout_logprobs_agree_with_training",
              "test_plan_to_hf_rollout_sends_point_to_point", "test_export_peak_memory_is_one_bucket",
              "test_hybrid_sharding_trains_exactly_like_plain_sharding"]

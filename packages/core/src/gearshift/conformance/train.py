@@ -82,23 +82,39 @@ class TrainEngineSuite:
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
 
-    def test_forward_logprobs_match_transformers(self, new_train_engine, gearshift_model):
+    @staticmethod
+    def _gap_to_transformers(got: torch.Tensor, batch: TrainBatch, model_path: str) -> float:
+        """The largest gap between `got` and each row's logprobs from transformers, the row run alone."""
         from transformers import AutoModelForCausalLM
 
-        engine = new_train_engine(lr=self.lr)
-        batch = fixed_batch()
-        got = engine.forward_logprobs(batch, with_entropy=True)
-        ref_model = AutoModelForCausalLM.from_pretrained(gearshift_model, dtype=torch.float32)
+        ref_model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
         with torch.no_grad():
             rows = []
             for i in range(batch.size):
                 n = int(batch.attention_mask[i].sum())
                 logits = ref_model(batch.input_ids[i:i + 1, :n]).logits[0, :-1]
                 rows.append(torch.log_softmax(logits.float(), -1).gather(-1, batch.input_ids[i, 1:n, None]).squeeze(-1))
-        diff = max(float((got.logprobs[i, 1:len(r) + 1].cpu() - r).abs().max()) for i, r in enumerate(rows))
+        return max(float((got[i, 1:len(r) + 1].cpu() - r).abs().max()) for i, r in enumerate(rows))
+
+    def test_forward_logprobs_match_transformers(self, new_train_engine, gearshift_model):
+        engine = new_train_engine(lr=self.lr)
+        batch = fixed_batch()
+        got = engine.forward_logprobs(batch, with_entropy=True)
+        diff = self._gap_to_transformers(got.logprobs, batch, gearshift_model)
         print(f"forward_logprobs vs transformers: max abs diff {diff:.3g}")
         assert diff <= max(self.logprob_atol, tolerances(engine)[0])
         assert got.logprobs.shape == batch.input_ids.shape and got.entropy.shape == batch.input_ids.shape
+
+    def test_rows_of_one_prompt_get_the_logprobs_each_gets_alone(self, new_train_engine, gearshift_model):
+        """GRPO's batches: n answers to each prompt. An engine that computes a shared prompt once
+        (gearshift.shared_prefix) must give each row what it gives the row alone."""
+        engine = new_train_engine(lr=self.lr)
+        prompts = [PROMPTS[0]] * 3 + [PROMPTS[1]] * 2
+        answers = [RESPONSES[0], RESPONSES[1], RESPONSES[2], RESPONSES[2], RESPONSES[0][:1]]
+        batch = TrainBatch.from_sequences(prompts, answers, pad_id=0)
+        diff = self._gap_to_transformers(engine.forward_logprobs(batch).logprobs, batch, gearshift_model)
+        print(f"rows of one prompt vs transformers row by row: max abs diff {diff:.3g}")
+        assert diff <= max(self.logprob_atol, tolerances(engine)[0])
 
     def test_train_step_lowers_loss(self, new_train_engine):
         engine = new_train_engine(lr=self.lr)

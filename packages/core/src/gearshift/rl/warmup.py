@@ -96,7 +96,8 @@ def _fit(base: str, out: str | Path, prompts: list[list[int]], completions: list
     from tqdm import tqdm
 
     torch.manual_seed(seed)
-    engine = TorchTrainEngine.build(base, lr=lr, seed=seed)
+    # a batch of distinct prompts shares none; off, each recipe builds the model it built before shared prompts
+    engine = TorchTrainEngine.build(base, lr=lr, seed=seed, share_prompts=False)
     # built once per cache, but minutes long on a CPU: say what it is doing (on stderr, off when not a terminal)
     for _ in tqdm(range(steps), desc=f"warming up {Path(out).name}", unit="step", leave=False,
                   disable=None, mininterval=2.0):

@@ -173,6 +173,9 @@ class TrainConfig(Section):
     max_tokens_per_micro_batch: int | None = None
     """Pack sequences by length into micro-batches of this many tokens; null: what the device holds on a GPU,
     1,024 on a CPU (when micro_batch_size is null too)."""
+    share_prompts: bool | None = None
+    """Compute a prompt once for all its samples (one packed sequence per prompt, the same logprobs and
+    gradients up to rounding); null: on a CPU, off on a GPU until measured there. A critic never does."""
     mesh: str | None = None
     """How the engine lies over the ranks, e.g. 'dp=2' or 'dp=2,tp=2'; null: data parallel over every rank."""
     options: dict[str, Any] = field(default_factory=dict)
