@@ -343,12 +343,13 @@ def test_no_op_is_compiled_and_torch_keeps_its_linear(gearshift_model):
 
 @pytest.mark.parametrize("stage", [2, 3])
 def test_a_closed_engine_is_freed(gearshift_model, stage):
-    """ZeRO-3 keeps its model on a module-level stack, and the model's hooks hold DeepSpeed's engine: close
-    takes it off, so a process that builds engines one after another (the suite, a benchmark) does not keep
-    every one of them."""
+    """ZeRO-3 keeps its model on a module-level stack, and the model's hooks hold DeepSpeed's engine, and after
+    a second forward its coordinator's class-level cache holds the modules: close takes them off, so a process
+    that builds engines one after another (the suite, a benchmark) does not keep every one of them."""
     import gc
 
     engine = build(gearshift_model, zero_stage=stage)
+    engine.forward_logprobs(fixed_batch())  # then a second forward: ZeRO-3's coordinator caches per module
     engine.train_step(fixed_batch(), nll)
     ds, model = weakref.ref(engine.ds), weakref.ref(engine.hf_model)
     engine.close()

@@ -153,3 +153,18 @@ def test_asking_for_shared_prompts_where_they_cannot_run_fails_at_build(gearshif
     e = engine(gearshift_model)
     monkeypatch.setattr(e.hf_model.config, "_attn_implementation", "flash_attention_2")
     assert "takes no 4-D mask" in e._sharing_refused() and not e.shares_prompts()
+    e = engine(gearshift_model)
+    assert e.shares_prompts()
+    monkeypatch.setattr(e.hf_model.config, "sliding_window", 512, raising=False)
+    monkeypatch.setattr(e.hf_model.config, "layer_types", ["sliding_attention", "full_attention"], raising=False)
+    assert "sliding window of 512 tokens" in e._sharing_refused() and not e.shares_prompts()
+
+
+def test_a_sliding_window_is_found_in_every_way_a_config_gives_it():
+    from types import SimpleNamespace as C
+
+    assert shared_prefix.sliding_window(C(sliding_window=None)) is None
+    assert shared_prefix.sliding_window(C(sliding_window=4096)) == 4096  # Mistral's: every layer
+    assert shared_prefix.sliding_window(C(sliding_window=4096, use_sliding_window=False)) is None  # Qwen2's switch
+    assert shared_prefix.sliding_window(C(sliding_window=512, layer_types=["full_attention"] * 2)) is None
+    assert shared_prefix.sliding_window(C(sliding_window=512, layer_types=["sliding_attention", "full_attention"])) == 512

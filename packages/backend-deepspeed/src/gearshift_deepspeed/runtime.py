@@ -81,10 +81,34 @@ def release(engine) -> None:
     `destroy` logs through the process group, so it is skipped once the group is gone.
     ZeRO-3 pushes the model onto a module-level stack (`FWD_MODULE_STACK`) when it sets up
     its hooks and never takes it off; the model's hooks hold the engine, so without this every
-    ZeRO-3 engine a process builds would stay in memory for good.
+    ZeRO-3 engine a process builds would stay in memory for good. Once a forward has run on a
+    complete trace (a second forward: `forward_logprobs` then a train step), ZeRO-3's parameter
+    coordinator also caches which parameters each module releases in an `lru_cache` on the class,
+    keyed by the coordinator and the module: that cache is emptied too (every engine's; it refills).
     """
     if torch.distributed.is_initialized():
         engine.destroy()
     offload = sys.modules.get("deepspeed.runtime.zero.parameter_offload")
     if offload is not None:
         offload.FWD_MODULE_STACK[:] = [m for m in offload.FWD_MODULE_STACK if m is not engine.module]
+    coordinator = sys.modules.get("deepspeed.runtime.zero.partitioned_param_coordinator")
+    if coordinator is not None:
+        clear_lru_caches(vars(coordinator.PartitionedParameterCoordinator).values())
+
+
+def clear_lru_caches(functions) -> int:
+    """Empty the `functools.lru_cache` of each of `functions`, found on it or in its closure (DeepSpeed wraps
+    its cached methods in a profiling decorator); returns how many were emptied."""
+    cleared = 0
+    for fn in functions:
+        cells = [fn]
+        for cell in getattr(fn, "__closure__", None) or ():
+            try:
+                cells.append(cell.cell_contents)
+            except ValueError:  # a cell not filled yet
+                continue
+        for candidate in cells:
+            if callable(getattr(candidate, "cache_clear", None)) and hasattr(candidate, "cache_info"):
+                candidate.cache_clear()
+                cleared += 1
+    return cleared

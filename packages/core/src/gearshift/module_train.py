@@ -184,6 +184,10 @@ class ModuleTrainEngine(TrainEngine):
         if kind not in shared_prefix.MASK_KINDS:
             return (f"the model's attention implementation {kind!r} takes no 4-D mask (one of "
                     f"{sorted(shared_prefix.MASK_KINDS)} does)")
+        window = shared_prefix.sliding_window(self.hf_model.config)
+        if window:
+            return (f"the model attends through a sliding window of {window} tokens, which the packed rows' mask "
+                    f"would replace")
         return None
 
     def shares_prompts(self) -> bool:

@@ -33,6 +33,18 @@ MASK_KINDS = {"sdpa": "bool", "eager": "additive"}
 MAX_WIDTH = 4096
 
 
+def sliding_window(config) -> int | None:
+    """The window of a model config's sliding-window attention layers, None when no layer has one (a 4-D mask
+    given to a Hugging Face model replaces the window it would apply)."""
+    window = getattr(config, "sliding_window", None)
+    if not window:
+        return None
+    types = getattr(config, "layer_types", None)
+    if types is not None:
+        return window if any("sliding" in str(t) for t in types) else None
+    return window if getattr(config, "use_sliding_window", True) else None
+
+
 def prompt_lengths(batch: TrainBatch) -> list[int]:
     """Each row's prompt: its tokens before the first trained one (0 where it has none or is not right-padded)."""
     real = batch.attention_mask.long()
@@ -185,4 +197,4 @@ def packed_micro_batches(batch: TrainBatch, max_tokens: int, max_rows: int | Non
 
 
 __all__ = ["Layout", "MASK_KINDS", "MAX_WIDTH", "layout", "logprobs", "packed_micro_batches", "prompt_groups",
-           "prompt_lengths", "split"]
+           "prompt_lengths", "sliding_window", "split"]
