@@ -45,3 +45,16 @@ def test_a_cell_past_its_time_is_ended_with_its_process_group():
                                "time.sleep(60)"], timeout=3)
     assert code == s.STOPPED and "up" in output
     assert time.time() - t0 < 30  # the child holding the pipe was killed too
+
+
+def test_a_shared_cell_asks_for_shared_prompts_and_a_bad_cell_names_the_form():
+    import pytest
+
+    s = load()
+    plain, shared = s.parse_cell("7b-256-fsdp-auto"), s.parse_cell("7b-256-fsdp-auto-shared")
+    assert not plain["shared"] and shared["shared"] and shared["model"] == "7b" and shared["offload"] == "auto"
+    out = Path("/tmp/out")
+    assert "train.share_prompts=true" in s.overrides(shared, 2, out, 32, 8)
+    assert not any("share_prompts" in a for a in s.overrides(plain, 2, out, 32, 8))
+    with pytest.raises(SystemExit, match=r"\[-shared\]"):
+        s.parse_cell("7b-256-fsdp-auto-extra")

@@ -3,9 +3,10 @@
 
     python3 tools/gpu/grpo_scenario.py --cells 7b-256-fsdp-auto,0.5b-1024-fsdp-forced --steps 20 --out $OUT
 
-A cell is `<model>-<answer tokens>-<trainer>-<offload>`: model 0.5b, 1.5b or 7b (the Qwen2 shapes, random
-weights), answer length in tokens, trainer fsdp or deepspeed, offload `auto` (the memory plan) or `forced`
-(optimizer and grads to host memory and the rollout engine put to sleep at every switch). Every cell runs
+A cell is `<model>-<answer tokens>-<trainer>-<offload>[-shared]`: model 0.5b, 1.5b or 7b (the Qwen2 shapes,
+random weights), answer length in tokens, trainer fsdp or deepspeed, offload `auto` (the memory plan) or
+`forced` (optimizer and grads to host memory and the rollout engine put to sleep at every switch); `-shared`
+adds `train.share_prompts=true` (a prompt computed once for its samples; off on a GPU by default). Every cell runs
 32 prompts x 8 samples per step with vLLM rollout (`--rollout sglang` for SGLang's) and no memory options: the
 default micro-batching has to fit by itself. Master weights are bf16 at 7B (fp32 does not fit beside the
 rollout engine) and fp32 below.
@@ -45,10 +46,17 @@ def expected_s(cell: dict, steps: int) -> float:
 
 
 def parse_cell(cell: str) -> dict:
-    model, tokens, trainer, offload = cell.split("-")
+    parts = cell.split("-")
+    shared = parts[-1] == "shared"  # `train.share_prompts=true`: off on a GPU unless asked
+    if shared:
+        parts = parts[:-1]
+    if len(parts) != 4:
+        raise SystemExit(f"bad cell {cell!r}: <{'|'.join(MODELS)}>-<tokens>-<fsdp|deepspeed>-<auto|forced>[-shared]")
+    model, tokens, trainer, offload = parts
     if model not in MODELS or trainer not in ("fsdp", "deepspeed") or offload not in ("auto", "forced"):
-        raise SystemExit(f"bad cell {cell!r}: <{'|'.join(MODELS)}>-<tokens>-<fsdp|deepspeed>-<auto|forced>")
-    return {"cell": cell, "model": model, "tokens": int(tokens), "trainer": trainer, "offload": offload}
+        raise SystemExit(f"bad cell {cell!r}: <{'|'.join(MODELS)}>-<tokens>-<fsdp|deepspeed>-<auto|forced>[-shared]")
+    return {"cell": cell, "model": model, "tokens": int(tokens), "trainer": trainer, "offload": offload,
+            "shared": shared}
 
 
 ROLLOUTS = ("vllm", "sglang")
@@ -69,6 +77,8 @@ def overrides(c: dict, steps: int, out: Path, prompts: int, n: int, model: str |
         args.append("switch.offload=optimizer,grads")
     if c["trainer"] == "deepspeed":
         args.append('train.options={"zero_stage": 3}')
+    if c.get("shared"):
+        args.append("train.share_prompts=true")
     return args
 
 
