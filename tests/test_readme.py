@@ -72,6 +72,7 @@ HOW: dict[str, tuple[str, str]] = {
     "python tools/rl_compare.py ppo": ("help", ""),
     "python tools/arch_matrix.py": ("help", ""),
     "python tools/trl_compare.py": ("help", ""),
+    "python tools/calc_warmup.py --answers shuffled --out DIR": ("help", ""),
     "python tools/trl_compare.py --engines hf": ("help", ""),
     "bash tools/trl_env.sh": ("script", "tools/trl_env.sh"),
     "gearshift train run.seed=0": ("check", ""),

@@ -1,0 +1,35 @@
+#!/usr/bin/env python3
+"""Build a calc task model with a chosen warm-up, for comparing warm-ups (docs/agent-calc.md).
+
+    python tools/calc_warmup.py --answers shuffled --out /tmp/small-calc-shuffled
+    gearshift train data.task=calc model.path=/tmp/small-calc-shuffled ...
+
+`gearshift train data.task=calc` builds `small-calc` itself with the near-miss warm-up (`--answers near`);
+`--answers shuffled` gives final answers drawn at random from the task's answers, so the model starts at
+chance. The same preset, task rows and seed as `build_task_model`.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--answers", choices=("near", "shuffled"), default="shuffled")
+    p.add_argument("--preset", default="small")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", required=True, type=Path)
+    args = p.parse_args()
+    from gearshift.rl.tasks import make_task
+    from gearshift.rl.warmup import build_model, tool_warmup
+
+    base = build_model(args.out / "base", preset=args.preset, seed=args.seed)
+    rows = make_task("calc", 2000, seed=args.seed + 1)
+    tool_warmup(base, args.out, rows, seed=args.seed, answers=args.answers)
+    print(f"built {args.out} ({args.preset}, {args.answers} answers, seed {args.seed})")
+
+
+if __name__ == "__main__":
+    main()
