@@ -168,3 +168,14 @@ def test_a_sliding_window_is_found_in_every_way_a_config_gives_it():
     assert shared_prefix.sliding_window(C(sliding_window=4096, use_sliding_window=False)) is None  # Qwen2's switch
     assert shared_prefix.sliding_window(C(sliding_window=512, layer_types=["full_attention"] * 2)) is None
     assert shared_prefix.sliding_window(C(sliding_window=512, layer_types=["sliding_attention", "full_attention"])) == 512
+
+
+def test_the_eager_attention_takes_an_additive_mask_and_gives_the_same_logprobs(gearshift_model):
+    batch = grpo_batch(seed=2)
+    apart = engine(gearshift_model, share_prompts=False).forward_logprobs(batch)
+    eager = engine(gearshift_model, share_prompts=True)
+    eager.hf_model.config._attn_implementation = "eager"  # read at every forward
+    assert eager._mask_kind() == "additive"
+    out = eager.forward_logprobs(batch)
+    seen = batch.attention_mask.bool()
+    torch.testing.assert_close(out.logprobs[seen], apart.logprobs[seen], rtol=1e-5, atol=1e-5)
