@@ -93,7 +93,7 @@ def test_shared_prompts_give_every_rows_logprobs_and_entropies(gearshift_model):
     seen = batch.attention_mask.bool()
     torch.testing.assert_close(out.logprobs[seen], apart.logprobs[seen], rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(out.entropy[seen], apart.entropy[seen], rtol=1e-5, atol=1e-5)
-    assert shared._sharing_holds is True  # checked on its first forward
+    assert shared.prompt_sharing.holds is True  # checked on its first forward
 
 
 @pytest.mark.parametrize("micro", [{}, {"max_tokens_per_micro_batch": 48}, {"micro_batch_size": 6}],
@@ -134,7 +134,7 @@ def test_a_model_that_ignores_the_mask_turns_sharing_off_or_fails_when_asked(gea
     auto.model.register_forward_pre_hook(own_mask, with_kwargs=True)
     with pytest.warns(UserWarning, match="shared prompts turned off: .*differ by"):
         metrics = auto.train_step(batch, loss_fn)
-    assert auto._sharing_holds is False and not auto.shares_prompts()
+    assert auto.prompt_sharing.holds is False and not auto.shares_prompts()
     assert metrics["shared_frac"] == 0 and metrics["loss"] == pytest.approx(apart["loss"], rel=1e-5)
     asked = engine(gearshift_model, share_prompts=True)
     asked.model.register_forward_pre_hook(own_mask, with_kwargs=True)
@@ -152,12 +152,12 @@ def test_asking_for_shared_prompts_where_they_cannot_run_fails_at_build(gearshif
     assert not engine(gearshift_model, value_head=True).shares_prompts()  # by default: off, quietly
     e = engine(gearshift_model)
     monkeypatch.setattr(e.hf_model.config, "_attn_implementation", "flash_attention_2")
-    assert "takes no 4-D mask" in e._sharing_refused() and not e.shares_prompts()
+    assert "takes no 4-D mask" in e.prompt_sharing.refused() and not e.shares_prompts()
     e = engine(gearshift_model)
     assert e.shares_prompts()
     monkeypatch.setattr(e.hf_model.config, "sliding_window", 512, raising=False)
     monkeypatch.setattr(e.hf_model.config, "layer_types", ["sliding_attention", "full_attention"], raising=False)
-    assert "sliding window of 512 tokens" in e._sharing_refused() and not e.shares_prompts()
+    assert "sliding window of 512 tokens" in e.prompt_sharing.refused() and not e.shares_prompts()
 
 
 def test_a_sliding_window_is_found_in_every_way_a_config_gives_it():
@@ -175,7 +175,7 @@ def test_the_eager_attention_takes_an_additive_mask_and_gives_the_same_logprobs(
     apart = engine(gearshift_model, share_prompts=False).forward_logprobs(batch)
     eager = engine(gearshift_model, share_prompts=True)
     eager.hf_model.config._attn_implementation = "eager"  # read at every forward
-    assert eager._mask_kind() == "additive"
+    assert eager.prompt_sharing.mask_kind == "additive"
     out = eager.forward_logprobs(batch)
     seen = batch.attention_mask.bool()
     torch.testing.assert_close(out.logprobs[seen], apart.logprobs[seen], rtol=1e-5, atol=1e-5)

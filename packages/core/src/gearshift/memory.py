@@ -106,3 +106,35 @@ def plan_offload(need: int, free: int, sizes: dict[str, int]) -> OffloadPlan:
         return OffloadPlan((), f"kept {kept or 'nothing'} on the device ({what})")
     short = " (still short: the rollout engine may not fit)" if room < need * MARGIN else ""
     return OffloadPlan(tuple(moved), f"moved {moved} to host memory ({what}){short}")
+
+
+def gpu_token_budget(config, device: torch.device, longest: int, *, training: bool, checkpointing: bool,
+                     compute_itemsize: int, step_bytes: tuple[int, int]) -> int:
+    """Tokens per micro-batch that fit on `device` now, for a model of `config` whose longest row is `longest`
+    tokens; `step_bytes` the gradients and the optimizer's update (`ModuleTrainEngine.step_bytes`).
+
+    Free memory less the gradients the backward allocates beside the activations and a margin, over
+    `activation_bytes_per_token`. A step whose longest row, or whose optimizer update, does not fit raises
+    `MemoryPlanError` naming what to change.
+    """
+    per_token = activation_bytes_per_token(config, training=training, checkpointing=checkpointing,
+                                           compute_itemsize=compute_itemsize)
+    total = torch.cuda.get_device_properties(device).total_memory
+    margin = max(int(0.04 * total), GiB)
+    # torch's cached blocks are in pieces that a micro-batch's logits (GiBs in one tensor) may not fit:
+    # count what the driver has free once they went back
+    release_cached(device)
+    free = device_free(device, cached=False)
+    grads, update = step_bytes
+    tokens = (free - grads - margin) // per_token
+    if tokens < longest or free < update + margin:
+        what = (f"rows of {longest} tokens need about {(longest * per_token + grads) / GiB:.1f} GiB"
+                if tokens < longest else f"the optimizer's update needs {update / GiB:.1f} GiB")
+        raise MemoryPlanError(
+            f"a {'train step' if training else 'forward'} does not fit: {what} beyond the state held, and "
+            f"{free / GiB:.1f} GiB of device memory are free. Set train.options.gradient_checkpointing=true, "
+            f"shorten the rows (rollout.max_tokens, data.max_prompt_len), give the rollout engine less memory "
+            f"(rollout.options: gpu_memory_utilization for vllm, mem_fraction_static for sglang), train in "
+            f"bfloat16 (model.dtype=bfloat16), or move the optimizer off the device during rollout "
+            f"(switch.offload=optimizer,grads)")
+    return int(min(tokens, MAX_AUTO_TOKENS))

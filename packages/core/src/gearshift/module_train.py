@@ -19,9 +19,7 @@ gathers the parameters its `materialized` is handed (`export_parameters(names)`)
 
 from __future__ import annotations
 
-import inspect
 import os
-import warnings
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,14 +29,15 @@ import torch
 import torch.distributed as dist
 
 from . import dist as gdist
-from . import shared_prefix
 from .hf import load_causal_lm, tied_aliases, write_hf_folder
 from .lora import LoraWeights, add_lora, hf_name
 from .micro_batch import even_out, micro_batch_rows, select_micro_batches, sum_metrics
 from .offload import HostStash
 from .options import option
 from .policy import ValueHeadModel, position_ids
+from .prompt_sharing import PromptSharing
 from .reshard import export_weights
+from .shared_prefix import Layout
 from .sharding import Sharding, refuse_moved_hooks
 from .tags import TRAIN_TAGS, check_tags
 from .train import LossFn, PolicyOutput, TrainArgs, TrainBatch, TrainEngine
@@ -105,14 +104,9 @@ class ModuleTrainEngine(TrainEngine):
         ), {a: t for a, t in aliases.items() if t in exported})
         self._stashes = {tag: HostStash() for tag in TRAIN_TAGS}  # kept: their host buffers are reused
         self._local_views: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # name -> (storage owner, its view)
-        #: shared prompts: None until the first forward has checked them on this model, then whether they hold
-        self._sharing_holds: bool | None = None
-        self._shared_cap: int | None = None  # the widest packed sequence of the micro-batches planned last
-        if args.share_prompts:
-            refused = self._sharing_refused()
-            if refused:
-                raise ValueError(f"train.share_prompts=true, but {refused}: set train.share_prompts=false (or leave "
-                                 f"it unset)")
+        #: a prompt computed once for all its rows (`train.share_prompts`)
+        self.prompt_sharing = PromptSharing(args.share_prompts, self.hf_model.config, sharding,
+                                            value_head=args.value_head, compute_dtype=self.compute_dtype, mesh=self.mesh)
 
     def state_tensors(self, tag: str) -> list[torch.Tensor]:
         """This rank's tensors behind an offload tag (params, grads, optimizer)."""
@@ -173,90 +167,19 @@ class ModuleTrainEngine(TrainEngine):
         """The parameters an export of `names` reads (with LoRA: their bases and adapters)."""
         return self.lora.parameters_read(names) if self.lora is not None else [self.trained[n] for n in names]
 
-    # --- shared prompts (gearshift.shared_prefix) -------------------------------------------------------------
-    def _sharing_refused(self) -> str | None:
-        """Why this engine cannot share prompts, or None."""
-        if self.args.value_head:
-            return "a critic's values are computed row by row"
-        if not self.sharding.shares_prompts or "layout" not in inspect.signature(self.sharding.forward).parameters:
-            return f"{type(self.sharding).__name__}'s forward does not take rows packed by prompt"
-        kind = getattr(self.hf_model.config, "_attn_implementation", None)
-        if kind not in shared_prefix.MASK_KINDS:
-            return (f"the model's attention implementation {kind!r} takes no 4-D mask (one of "
-                    f"{sorted(shared_prefix.MASK_KINDS)} does)")
-        window = shared_prefix.sliding_window(self.hf_model.config)
-        if window:
-            return (f"the model attends through a sliding window of {window} tokens, which the packed rows' mask "
-                    f"would replace")
-        return None
-
     def shares_prompts(self) -> bool:
-        """Whether micro-batches run their rows packed by prompt now: `train.share_prompts`, or by default on a
-        CPU; never where the model or sharding cannot (`_sharing_refused`) or the first check found otherwise."""
-        asked = self.args.share_prompts
-        if asked is False or self._sharing_holds is False:
-            return False
-        if asked is None and self.device.type != "cpu":
-            return False
-        return self._sharing_refused() is None
-
-    def _mask_kind(self) -> str:
-        return shared_prefix.MASK_KINDS[self.hf_model.config._attn_implementation]
-
-    def _layout(self, batch: TrainBatch) -> "shared_prefix.Layout | None":
-        """`batch`'s rows packed by prompt, when prompts are shared and two rows or more share one."""
-        if not self.shares_prompts():
-            return None
-        if self._sharing_holds is None:
-            self._check_sharing(batch)
-            if not self._sharing_holds:
-                return None
-        lay = shared_prefix.layout(batch, self._shared_cap)
-        return lay if lay.input_ids.shape[0] < batch.size else None
-
-    @torch.no_grad()
-    def _check_sharing(self, batch: TrainBatch) -> None:
-        """Run two rows of one prompt packed and apart, once, before the first shared forward (every rank at
-        once: its first forward): a model that applies a mask of its own instead of the one given is found here.
-        By default a mismatch turns sharing off with a warning; with `share_prompts=true` it raises."""
-        row = batch.input_ids[0, :int(batch.lengths[0])]
-        ok, gap, tolerance = True, None, 1e-3 if self.compute_dtype.itemsize >= 4 else 0.1
-        if len(row) >= 2:
-            p = max(1, len(row) // 2)
-            other = torch.cat([row[:p], row[p:].flip(0)])
-            pair = TrainBatch.from_sequences([row[:p].tolist()] * 2, [row[p:].tolist(), other[p:].tolist()])
-            pair = pair.to(self.device)
-            was = self.model.training
-            self.model.eval()
-            try:
-                apart = self.sharding.forward(self.model, pair, False, False).logprobs
-                packed = self.sharding.forward(self.model, pair, False, False, layout=shared_prefix.layout(pair),
-                                               mask_kind=self._mask_kind()).logprobs
-            finally:
-                self.model.train(was)
-                self.sharding.release(self.model)
-            gap = float((apart - packed).abs().mul(pair.attention_mask).max())
-            ok = gap <= tolerance
-        if self.mesh.world_size > 1 and gdist.is_distributed():  # every rank decides alike
-            flag = torch.tensor([1 if ok else 0], device=gdist.collective_device())
-            dist.all_reduce(flag, op=dist.ReduceOp.MIN)
-            ok = bool(flag.item())
-        self._sharing_holds = ok
-        if not ok:
-            what = (f"{type(self.hf_model).__name__}'s log-probabilities differ by {gap:.3g} between two rows of "
-                    f"one prompt run apart and packed" if gap is not None and gap > tolerance
-                    else "another rank's check failed")
-            if self.args.share_prompts:
-                raise RuntimeError(f"train.share_prompts=true, but {what}: the model does not take the packed "
-                                   f"rows' attention mask; set train.share_prompts=false")
-            warnings.warn(f"shared prompts turned off: {what}", stacklevel=2)
+        """Whether micro-batches run their rows packed by prompt now (`prompt_sharing`: gearshift.prompt_sharing)."""
+        return self.prompt_sharing.on(self.device)
 
     def _forward(self, batch: TrainBatch, with_entropy: bool,
-                 layout: "shared_prefix.Layout | None" = None) -> PolicyOutput:
+                 layout: Layout | None = None) -> PolicyOutput:
         if layout is None:
             return self.sharding.forward(self.model, batch.to(self.device), with_entropy, self.args.value_head)
         return self.sharding.forward(self.model, batch.to(self.device), with_entropy, self.args.value_head,
-                                     layout=layout, mask_kind=self._mask_kind())
+                                     layout=layout, mask_kind=self.prompt_sharing.mask_kind)
+
+    def _layout(self, batch: TrainBatch) -> Layout | None:
+        return self.prompt_sharing.layout(batch, self.model, self.device) if self.shares_prompts() else None
 
     def micro_batches(self, batch: TrainBatch,
                       training: bool = True) -> list[tuple[TrainBatch, torch.Tensor | None]]:
@@ -272,10 +195,7 @@ class ModuleTrainEngine(TrainEngine):
         """
         budget = self.args.max_tokens_per_micro_batch or self.token_budget(batch, training)
         if self.shares_prompts():  # a prompt's rows kept together, each packed sequence within the budget
-            self._shared_cap = min(budget or shared_prefix.MAX_WIDTH, shared_prefix.MAX_WIDTH)
-            groups = (shared_prefix.packed_micro_batches(batch, budget, self.args.micro_batch_size,
-                                                         cap=self._shared_cap) if budget
-                      else micro_batch_rows(batch, max_rows=self.args.micro_batch_size))
+            groups = self.prompt_sharing.micro_batches(batch, budget, self.args.micro_batch_size)
         else:
             groups = micro_batch_rows(batch, max_rows=self.args.micro_batch_size, max_tokens=budget)
         count = len(groups)
@@ -287,44 +207,18 @@ class ModuleTrainEngine(TrainEngine):
 
     def token_budget(self, batch: TrainBatch, training: bool = True) -> int | None:
         """Tokens per micro-batch when no micro-batching was asked for: on a GPU, what fits in the device
-        memory free now; on a CPU, `memory.CPU_TOKENS_PER_MICRO_BATCH` (None with `micro_batch_size`).
-
-        Free memory (torch's cached blocks included: training allocates through torch) less the gradients
-        the backward allocates beside the activations and a margin, over `memory.activation_bytes_per_token`.
-        A step whose longest row, or whose optimizer update, does not fit raises `MemoryPlanError` naming
-        what to change.
-        """
+        memory free now (`memory.gpu_token_budget`, which raises `MemoryPlanError` naming what to change when
+        a step cannot fit); on a CPU, `memory.CPU_TOKENS_PER_MICRO_BATCH` (None with `micro_batch_size`)."""
         if self.args.micro_batch_size:
             return None
+        from . import memory
+
         if self.device.type != "cuda":  # rows packed by length: less padding computed (memory.py says why)
-            from .memory import CPU_TOKENS_PER_MICRO_BATCH
-
-            return CPU_TOKENS_PER_MICRO_BATCH
-        from .memory import GiB, MAX_AUTO_TOKENS, MemoryPlanError, activation_bytes_per_token, device_free, release_cached
-
-        per_token = activation_bytes_per_token(
-            self.hf_model.config, training=training, checkpointing=self.options.gradient_checkpointing,
-            compute_itemsize=self.compute_dtype.itemsize)
-        total = torch.cuda.get_device_properties(self.device).total_memory
-        margin = max(int(0.04 * total), GiB)
-        # torch's cached blocks are in pieces that a micro-batch's logits (GiBs in one tensor) may not fit:
-        # count what the driver has free once they went back
-        release_cached(self.device)
-        free = device_free(self.device, cached=False)
-        grads, update = self.step_bytes() if training else (0, 0)
-        longest = int(batch.lengths.max())
-        tokens = (free - grads - margin) // per_token
-        if tokens < longest or free < update + margin:
-            what = (f"rows of {longest} tokens need about {(longest * per_token + grads) / GiB:.1f} GiB"
-                    if tokens < longest else f"the optimizer's update needs {update / GiB:.1f} GiB")
-            raise MemoryPlanError(
-                f"a {'train step' if training else 'forward'} does not fit: {what} beyond the state held, and "
-                f"{free / GiB:.1f} GiB of device memory are free. Set train.options.gradient_checkpointing=true, "
-                f"shorten the rows (rollout.max_tokens, data.max_prompt_len), give the rollout engine less memory "
-                f"(rollout.options: gpu_memory_utilization for vllm, mem_fraction_static for sglang), train in "
-                f"bfloat16 (model.dtype=bfloat16), or move the optimizer off the device during rollout "
-                f"(switch.offload=optimizer,grads)")
-        return int(min(tokens, MAX_AUTO_TOKENS))
+            return memory.CPU_TOKENS_PER_MICRO_BATCH
+        return memory.gpu_token_budget(
+            self.hf_model.config, self.device, int(batch.lengths.max()), training=training,
+            checkpointing=self.options.gradient_checkpointing, compute_itemsize=self.compute_dtype.itemsize,
+            step_bytes=self.step_bytes() if training else (0, 0))
 
     def step_bytes(self) -> tuple[int, int]:
         """Device bytes a train step allocates beyond its activations and the state held now: the gradients
