@@ -106,7 +106,8 @@ class ModuleTrainEngine(TrainEngine):
         self._local_views: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # name -> (storage owner, its view)
         #: a prompt computed once for all its rows (`train.share_prompts`)
         self.prompt_sharing = PromptSharing(args.share_prompts, self.hf_model.config, sharding,
-                                            value_head=args.value_head, compute_dtype=self.compute_dtype, mesh=self.mesh)
+                                            value_head=args.value_head, compute_dtype=self.compute_dtype,
+                                            mesh=self.mesh)
 
     def state_tensors(self, tag: str) -> list[torch.Tensor]:
         """This rank's tensors behind an offload tag (params, grads, optimizer)."""

@@ -34,6 +34,8 @@ class PromptSharing:
         #: None until the first forward has checked the model, then whether packed rows gave the rows' own
         self.holds: bool | None = None
         self.cap: int | None = None  # the widest packed sequence of the micro-batches planned last
+        #: the sharding's forward takes packed rows (one whose forward lacks the parameters is taken as not)
+        self.takes_layout = sharding.shares_prompts and "layout" in inspect.signature(sharding.forward).parameters
         if asked:
             refused = self.refused()
             if refused:
@@ -44,14 +46,15 @@ class PromptSharing:
         """Why this engine cannot share prompts, or None."""
         if self.value_head:
             return "a critic's values are computed row by row"
-        if not self.sharding.shares_prompts or "layout" not in inspect.signature(self.sharding.forward).parameters:
+        if not self.takes_layout:
             return f"{type(self.sharding).__name__}'s forward does not take rows packed by prompt"
         kind = getattr(self.config, "_attn_implementation", None)
         if kind not in MASK_KINDS:
             return f"the model's attention implementation {kind!r} takes no 4-D mask (one of {sorted(MASK_KINDS)} does)"
         window = sliding_window(self.config)
         if window:
-            return f"the model attends through a sliding window of {window} tokens, which the packed rows' mask would replace"
+            return (f"the model attends through a sliding window of {window} tokens, which the packed rows' mask "
+                    f"would replace")
         return None
 
     def on(self, device: torch.device) -> bool:

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .train import PolicyOutput, TrainBatch
+from .train import PolicyOutput, TrainBatch, pack_by_width
 
 #: attention implementations that take a 4-D mask from the caller, and the mask each takes
 MASK_KINDS = {"sdpa": "bool", "eager": "additive"}
@@ -173,8 +173,6 @@ def packed_micro_batches(batch: TrainBatch, max_tokens: int, max_rows: int | Non
     `max_tokens`) fit `max_tokens` together (sequences x the widest), at most `max_rows` rows each: a
     prompt's rows stay together as far as the budget lets them, neighbours in width share a micro-batch, and
     a micro-batch holds at most one sequence of a prompt, so that `layout` packs it as planned here."""
-    if max_tokens < 1:
-        raise ValueError(f"max_tokens={max_tokens} must be >= 1")
     cap = min(cap or max_tokens, max_tokens)
     prompts, lengths = prompt_lengths(batch), batch.lengths.clamp(min=1).tolist()
     packs = []
@@ -182,19 +180,8 @@ def packed_micro_batches(batch: TrainBatch, max_tokens: int, max_rows: int | Non
         p = prompts[group[0]]
         packs += [(packed_width(rows, p, lengths), g, rows) for rows in split(group, p, lengths, cap, max_rows)]
     packs.sort(key=lambda x: -x[0])  # stable
-    out: list[list[int]] = []
-    width = 0
-    held: set[int] = set()  # the prompts of the last micro-batch: one packed sequence each, as `layout` makes it
-    for w, g, rows in packs:
-        if (out and g not in held and (len(held) + 1) * width <= max_tokens
-                and (not max_rows or len(out[-1]) + len(rows) <= max_rows)):
-            out[-1] += rows
-            held.add(g)
-        else:
-            out.append(list(rows))
-            width, held = w, {g}
-    return [torch.tensor(sorted(rows), dtype=torch.long) for rows in out]
-
+    # the prompt is each unit's key: a micro-batch holds one packed sequence of a prompt, as `layout` makes it
+    return [torch.tensor(sorted(rows), dtype=torch.long) for rows in pack_by_width(packs, max_tokens, max_rows)]
 
 __all__ = ["Layout", "MASK_KINDS", "MAX_WIDTH", "layout", "logprobs", "packed_micro_batches", "prompt_groups",
            "prompt_lengths", "sliding_window", "split"]

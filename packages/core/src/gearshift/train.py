@@ -112,19 +112,10 @@ class TrainBatch:
         A row longer than `max_tokens` gets a micro-batch of its own. Neighbours in length share a
         micro-batch, so trimmed to its longest row it carries little padding.
         """
-        if max_tokens < 1:
-            raise ValueError(f"max_tokens={max_tokens} must be >= 1")
         lengths = self.lengths.clamp(min=1).tolist()
         order = sorted(range(self.size), key=lambda i: -lengths[i])  # stable: equal lengths keep their order
-        groups: list[list[int]] = []
-        for i in order:
-            current = groups[-1] if groups else None
-            width = lengths[current[0]] if current else 0  # the longest row leads each group
-            if current and (len(current) + 1) * width <= max_tokens and (not max_rows or len(current) < max_rows):
-                current.append(i)
-            else:
-                groups.append([i])
-        return [torch.tensor(g, dtype=torch.long) for g in groups]
+        return [torch.tensor(g, dtype=torch.long)
+                for g in pack_by_width([(lengths[i], i, [i]) for i in order], max_tokens, max_rows)]
 
     @classmethod
     def from_sequences(cls, prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]],
@@ -141,6 +132,27 @@ class TrainBatch:
             attn[i, :n] = 1
             mask[i, len(p):n] = 1
         return cls(ids, attn, mask, dict(extras))
+
+
+def pack_by_width(units: Sequence[tuple[int, object, list[int]]], max_tokens: int,
+                  max_rows: int | None = None) -> list[list[int]]:
+    """Micro-batches of `units` (width, key, rows), given widest first: each filled while its units x its first
+    (widest) unit's width stay within `max_tokens`, its rows within `max_rows`, and no two of its units share a
+    key; a unit wider than `max_tokens` gets a micro-batch of its own. Returns each micro-batch's rows, in order."""
+    if max_tokens < 1:
+        raise ValueError(f"max_tokens={max_tokens} must be >= 1")
+    out: list[list[int]] = []
+    width = 0
+    held: set = set()  # the keys of the last micro-batch's units
+    for w, key, rows in units:
+        if (out and key not in held and (len(held) + 1) * width <= max_tokens
+                and (not max_rows or len(out[-1]) + len(rows) <= max_rows)):
+            out[-1] += rows
+            held.add(key)
+        else:
+            out.append(list(rows))
+            width, held = w, {key}
+    return out
 
 
 @dataclass
@@ -278,4 +290,4 @@ class TrainEngine(Buildable, ABC):
 
 
 __all__ = ["LossFn", "PolicyOutput", "TRAIN_TAGS", "TrainArgs", "TrainBatch", "TrainEngine", "check_tags",
-           "nll_loss", "token_logprobs"]
+           "nll_loss", "pack_by_width", "token_logprobs"]

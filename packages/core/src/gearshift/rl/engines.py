@@ -20,8 +20,8 @@ def train_options(cfg: Config, model_path: str) -> dict[str, Any]:
     return {"model": model_path, "dtype": cfg.model.dtype, "seed": cfg.run.seed, "mesh": t.mesh,
             "lr": cfg.policy_lr(), "weight_decay": t.weight_decay, "max_grad_norm": t.max_grad_norm,
             "micro_batch_size": t.micro_batch_size, "max_tokens_per_micro_batch": t.max_tokens_per_micro_batch,
-            "dropout": cfg.model.dropout, **({"share_prompts": t.share_prompts} if t.share_prompts is not None else {}),
-            **cfg.model.lora.train_options(), **t.options}
+            "dropout": cfg.model.dropout, "share_prompts": t.share_prompts, **cfg.model.lora.train_options(),
+            **t.options}
 
 
 def build_policy(cfg: Config, model_path: str):
