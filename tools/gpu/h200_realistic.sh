@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The switch at realistic shapes on one H200, in few full calls. Here first: tools/gpu/make_wheels.sh (.whl/,
-# from the committed tree) and ../shared/tools/vllm-on-h200/make_chunks.sh (.carry/). Then device calls, back to
-# back (a warm machine keeps /tmp): carry .carry/c01 .. c04 with
-# `mkdir -p /tmp/chunks && cp .carry/c0?/part.* /tmp/chunks/`, then carry [.carry/c05, .carry/dev, .whl] with:
+# from the committed tree) and ../shared/tools/vllm-on-h200/make_chunks.sh then
+# `bash tools/gpu/rechunk.sh .carry` (.carry/c01 .. c07 of 48 MiB). Then device calls, back to
+# back (a warm machine keeps /tmp): carry .carry/c01 .. c06 with
+# `mkdir -p /tmp/chunks && cp .carry/c0?/part.* /tmp/chunks/`, then carry [.carry/c07, .carry/dev, .whl] with:
 #   bash tools/gpu/h200_realistic.sh build           the random 0.5B, 1.5B and 7B presets, drawn on the GPU (timed)
 #   bash tools/gpu/h200_switch.sh switch             (the switch matrix: sync beside copy, one batched copy, own load)
 #   CELLS=... STEPS=20 bash tools/gpu/h200_realistic.sh scenario

@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # The sglang rollout backend on one H200, in bf16. Here first: tools/gpu/make_wheels.sh (.whl/, from the committed
 # tree) and tools/gpu/sglang_h200/make_chunks.sh (.carry-sglang/). Then device calls, back to back (a warm
-# machine keeps /tmp): carry .carry-sglang/c01 .. c07, one a call, with
+# machine keeps /tmp): carry .carry-sglang/c01 .. c09, one a call, with
 # `mkdir -p /tmp/chunks-sglang && cp .carry-sglang/c*/part.* /tmp/chunks-sglang/`, then carry
-# [.carry-sglang/c08, .carry-sglang/dev, .whl] with (tools/gpu/sglang_h200/README.md has the whole sequence):
+# [.carry-sglang/c10, .carry-sglang/dev, .whl] with (tools/gpu/sglang_h200/README.md has the whole sequence):
 #   bash tools/gpu/h200_sglang.sh conformance   fsdp + sglang and deepspeed (ZeRO-3) + sglang at the 0.5B shape,
 #                                              test_sleep_frees_memory included (SGLang's memory saver, by tag)
 #   bash tools/gpu/h200_sglang.sh bench         gearshift bench switch --train fsdp --rollout sglang at 0.5B and 7B

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The switch on the lent H200s, in few full calls. Here first: tools/gpu/make_wheels.sh (.whl/, from the
-# committed tree) and ../shared/tools/vllm-on-h200/make_chunks.sh (.carry/). Then device calls, back to back
-# (a warm machine keeps /tmp): carry .carry/c01 .. c04 with `mkdir -p /tmp/chunks && cp .carry/c0?/part.* /tmp/chunks/`,
-# then carry [.carry/c05, .carry/dev, .whl] with:
+# committed tree) and ../shared/tools/vllm-on-h200/make_chunks.sh then
+# `bash tools/gpu/rechunk.sh .carry` (.carry/c01 .. c07 of 48 MiB). Then device calls, back to back
+# (a warm machine keeps /tmp): carry .carry/c01 .. c06 with `mkdir -p /tmp/chunks && cp .carry/c0?/part.* /tmp/chunks/`,
+# then carry [.carry/c07, .carry/dev, .whl] with:
 #   bash tools/gpu/h200_switch.sh switch     switch matrix: fsdp->vllm and fsdp->hf at 0.5B and 7B shapes,
 #                                           full switch and memory plan (tools/gpu/switch_matrix.py)
 #   bash tools/gpu/h200_switch.sh grpo       GRPO steps at 0.5B (vllm) and 7B (vllm, bf16 master weights):

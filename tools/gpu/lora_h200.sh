@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # LoRA with vLLM on the lent H200: the adapter sync (model.lora.sync=adapter) beside the merged one. Here first:
-# tools/gpu/make_wheels.sh (.whl/, from the committed tree) and ../shared/tools/vllm-on-h200/make_chunks.sh
-# (.carry/). Then device calls, back to back (a warm machine keeps /tmp): carry .carry/c01 .. c04 with
-# `mkdir -p /tmp/chunks && cp .carry/c0?/part.* /tmp/chunks/`, then carry [.carry/c05, .carry/dev, .whl] with:
+# tools/gpu/make_wheels.sh (.whl/, from the committed tree) and ../shared/tools/vllm-on-h200/make_chunks.sh then
+# `bash tools/gpu/rechunk.sh .carry` (.carry/c01 .. c07 of 48 MiB).
+# Then device calls, back to back (a warm machine keeps /tmp): carry .carry/c01 .. c06 with
+# `mkdir -p /tmp/chunks && cp .carry/c0?/part.* /tmp/chunks/`, then carry [.carry/c07, .carry/dev, .whl] with:
 #   bash tools/gpu/lora_h200.sh tests     the vllm conformance pair with a LoRA trainer (fp32: skipped on a GPU,
 #                                        whose LoRA kernels take half precision; grpo below runs it in bf16)
 #   bash tools/gpu/lora_h200.sh bench     gearshift bench switch --lora-r 16, torch -> vllm, bf16, at MODELS

@@ -2,7 +2,7 @@
 # Tensor and sequence parallelism on two GPUs of one host (the nvidia-h200-x2 kind). Written for such a machine,
 # not yet run on one. Here first: tools/gpu/make_wheels.sh (.whl/, from the committed tree) and, for the vLLM
 # commands, ../shared/tools/vllm-on-h200/make_chunks.sh (.carry/, installed as h200_switch.sh describes). Then
-# the device tool's run (kind nvidia-h200-x2) with carry [.carry/c05, .carry/dev, .whl]:
+# the device tool's run (kind nvidia-h200-x2) with carry [.carry/c07, .carry/dev, .whl]:
 #   bash tools/gpu/tp2_h200x2.sh train     fsdp on dp=1,tp=2 and sp=2 beside dp=2: the equality test (loss and every
 #                                         gradient against one process), the conformance suite with hf at tp=2, and
 #                                         gearshift bench train with a long sequence (activation peak per rank)

@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # TRL 1.16's GRPOTrainer (vLLM 0.24 colocated) beside gearshift (vllm + fsdp) on one H200, the same job one after
 # the other: tools/gpu/trl_h200.py. Here first: tools/gpu/make_wheels.sh (.whl/, from the committed tree),
-# ../shared/tools/vllm-on-h200/make_chunks.sh (.carry/) and tools/gpu/trl_h200/make_wheels.sh (.whl-trl/). Then
-# device calls, back to back (a warm machine keeps /tmp): carry .carry/c01 .. c04 with
-# `mkdir -p /tmp/chunks && cp .carry/c0?/part.* /tmp/chunks/`, then carry [.carry/c05, .carry/dev, .whl, .whl-trl]:
+# ../shared/tools/vllm-on-h200/make_chunks.sh then `bash tools/gpu/rechunk.sh .carry` (.carry/c01 .. c07 of 48 MiB)
+# and tools/gpu/trl_h200/make_wheels.sh (.whl-trl/). Then
+# device calls, back to back (a warm machine keeps /tmp): carry .carry/c01 .. c06 with
+# `mkdir -p /tmp/chunks && cp .carry/c0?/part.* /tmp/chunks/`, then carry [.carry/c07, .carry/dev, .whl, .whl-trl]:
 #   bash tools/gpu/trl_h200.sh check         installs, names any unmet requirement of the carried wheels, imports
 #                                            TRL's GRPOTrainer and vLLM, builds the random 0.5B and 7B presets
 #   STEPS=10 bash tools/gpu/trl_h200.sh 0.5b  gearshift, then TRL, at 32 prompts x 8 samples x 256 tokens

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Builds .carry-sglang/c01..cNN in this checkout (each part under 60 MiB), for a machine with no network:
+# Builds .carry-sglang/c01..cNN in this checkout (each part 48 MiB at most, so that one and the
+# working tree stay under a device call's 64 MiB), for a machine with no network:
 # sglang 0.5.17 (it pins torch 2.11.0, the torch of the H200 image) and what its offline Engine imports for a
 # dense model on CUDA that the image lacks (deps.txt beside this file). The kernel wheel (sglang-kernel 0.4.5,
 # 383 MB, 1.2 GB unpacked) goes as it is: its FlashAttention-3 library is one fat binary for every GPU
@@ -25,7 +26,7 @@ n=$(ls $C/wheels/*.whl | wc -l); echo "$n wheels, $(du -cb $C/wheels/*.whl | tai
 [ "$n" = "${#specs[@]}" ] || { echo "expected ${#specs[@]} wheels (one version of each); clear $C/wheels and rerun"; exit 1; }
 [ "$(ls $C/wheels/own/*.whl | wc -l)" = "${#own[@]}" ] || { echo "expected ${#own[@]} wheels in $C/wheels/own"; exit 1; }
 rm -rf $C/c[0-9]* $C/stage $C/dev && mkdir -p $C/stage $C/dev
-(cd $C/wheels && tar cf - *.whl own/*.whl) | (cd $C/stage && split -b 60m -d -a 2 - part.)
+(cd $C/wheels && tar cf - *.whl own/*.whl) | (cd $C/stage && split -b 48m -d -a 2 - part.)
 (cd $C/stage && sha256sum part.*) > $C/dev/parts.sha256
 i=1; for p in $C/stage/part.*; do d=$(printf '%s/c%02d' $C $i); mkdir -p $d; mv $p $d/; i=$((i+1)); done; rmdir $C/stage
 cp "$here/install.sh" $C/dev/
