@@ -1,12 +1,13 @@
 #!/usr/bin/env python3
 """Build a calc task model with a chosen warm-up, for comparing warm-ups (docs/agent-calc.md).
 
-    python tools/calc_warmup.py --answers shuffled --out /tmp/small-calc-shuffled
-    gearshift train data.task=calc model.path=/tmp/small-calc-shuffled ...
+    python tools/calc_warmup.py --answers near --out /tmp/small-calc-near
+    gearshift train data.task=calc model.path=/tmp/small-calc-near ...
 
-`gearshift train data.task=calc` builds `small-calc` itself with the near-miss warm-up (`--answers near`);
-`--answers shuffled` gives final answers drawn at random from the task's answers, so the model starts at
-chance. The same preset, task rows and seed as `build_task_model`.
+`gearshift train data.task=calc` builds `small-calc` itself with the shuffled warm-up (`--answers shuffled`:
+final answers drawn at random from the task's answers, so the model starts at chance); `--answers near` gives
+the tool's answer with one digit changed, a start above chance. The same preset, task rows and seed as
+`build_task_model`.
 """
 
 from __future__ import annotations

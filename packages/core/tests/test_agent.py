@@ -302,6 +302,37 @@ def test_the_tool_warmup_teaches_the_call_and_keeps_the_tools_answer_out_of_the_
     assert AutoModelForCausalLM.from_pretrained(out) is not None
 
 
+def test_small_calcs_warmup_answers_at_random_and_the_near_one_one_digit_off(gearshift_model, tokenizer,
+                                                                                monkeypatch, tmp_path):
+    """`small-calc` (the default warm-up) starts at chance: its final answers are drawn from the task's answers,
+    not read from the tool's; `answers="near"` gives the tool's answer with one digit changed."""
+    import gearshift.rl.warmup as warmup
+    from gearshift.rl.agent.builtin import calc
+    from gearshift.rl.tasks import make_task
+
+    seen = {}
+    monkeypatch.setattr(warmup, "_fit", lambda base, out, prompts, episodes, masks, rng, **kw: seen.update(
+        episodes=episodes, masks=masks))
+    rows = make_task("calc", 400, seed=1)
+
+    def finals(**kw):
+        warmup.tool_warmup(gearshift_model, tmp_path / "m", rows, **kw)
+        out = []
+        for episode, mask in zip(seen["episodes"], seen["masks"]):
+            answer = [t for t, m in zip(episode, mask) if m][-(mask[::-1].index(0)):]  # after the tool's result
+            out.append(tokenizer.decode(answer[:-1]).strip())  # the end token dropped
+        return out
+
+    values = [calc(r["prompt"].rstrip("=")) for r in rows]
+    default = finals()
+    assert set(default) <= {r["answer"] for r in rows}
+    right = sum(a == v for a, v in zip(default, values)) / len(rows)
+    one_off = sum(len(a) == len(v) and sum(x != y for x, y in zip(a, v)) == 1 for a, v in zip(default, values))
+    assert right < 0.1 and one_off / len(rows) < 0.5, (right, one_off)
+    near = finals(answers="near")
+    assert all(len(a) == len(v) and sum(x != y for x, y in zip(a, v)) == 1 for a, v in zip(near, values))
+
+
 def test_the_tool_warmups_answers_are_one_digit_off_the_tools_and_the_task_pays_only_the_exact_one():
     import random
 

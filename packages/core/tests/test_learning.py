@@ -26,14 +26,14 @@ def test_reward_rises_clearly_above_chance(tmp_path, monkeypatch, algorithm, ste
 @pytest.mark.slow
 @pytest.mark.parametrize("backend", ["hf", "vllm"])
 def test_the_calc_task_learns_to_read_its_calculator_with_the_readme_command(tmp_path, monkeypatch, backend):
-    """The README's calc command (about 10 minutes on 2 free cores, warm-up included): from the warm-up
-    model's first step to a mean reward of at least 0.9 over the last ten of 200 steps, every episode
-    calling the tool."""
+    """The README's calc command (about 15 minutes on 2 free cores, warm-up included): from the warm-up
+    model, at chance at the first step, to a mean reward of at least 0.9 over the last ten of 200 steps,
+    every episode calling the tool."""
     if backend == "vllm":
         pytest.importorskip("vllm")
     monkeypatch.setenv("GEARSHIFT_CACHE", str(tmp_path / "cache"))  # the warm-up model is built here
     history = Trainer(
-        model="small-calc", data={"task": "calc"}, rollout={"backend": backend, "max_tokens": 20},
+        model="small-calc", data={"task": "calc"}, rollout={"backend": backend, "max_tokens": 20, "n": 16},
         train={"backend": "torch", "lr": 1e-4}, agent={"max_tokens": 48, "max_turns": 3},
         run={"steps": 200, "prompts_per_step": 16, "output_dir": str(tmp_path / "run"), "checkpoint_every": 0,
              "progress": False, "samples_per_step": 0, "tensorboard": False, "plot": False, "resume": "never"},
@@ -41,6 +41,6 @@ def test_the_calc_task_learns_to_read_its_calculator_with_the_readme_command(tmp
     rewards = [h["reward/mean"] for h in history]
     last = statistics.fmean(rewards[-10:])
     print(f"calc ({backend}): first step {rewards[0]:.3f}, last ten steps {last:.3f}")
-    assert rewards[0] < 0.3, "the warm-up model copies the tool's answer on some prompts, not on most"
+    assert rewards[0] < 0.05, "the warm-up's model answers at random: it starts near chance"
     assert last >= 0.9, rewards
     assert statistics.fmean(h["agent/tool_calls_mean"] for h in history[-10:]) >= 0.95

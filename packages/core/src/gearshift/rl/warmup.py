@@ -49,15 +49,15 @@ def near_miss(answer: str, rng: random.Random) -> str:
 
 
 def tool_warmup(base: str, out: str | Path, rows: list[dict], *, steps: int = 300, batch_size: int = 64,
-                lr: float = 1e-3, seed: int = 0, answers: str = "near") -> str:
+                lr: float = 1e-3, seed: int = 0, answers: str = "shuffled") -> str:
     """Fine-tune `base` on calculator episodes of `rows` whose final answers are wrong, and save it to `out`.
 
     Each example is the episode the `calc` task's agent writes: `<calc>a+b</calc>` (the model's), the tool's
-    `<result>c</result>` (kept out of the loss, as in RL) and a final answer that is never c. `answers="near"`
-    (the default): c with one digit changed (`near_miss`), so the model learns to call the tool and to answer
-    with a number near the tool's, and copying the tool's answer exactly is the step left to RL.
-    `answers="shuffled"`: an answer drawn at random from the task's answers (the model does not learn to read
-    the tool's answer at all; RL then rarely finds it within a few hundred steps).
+    `<result>c</result>` (kept out of the loss, as in RL) and a final answer that is not read from c.
+    `answers="shuffled"` (the default, `small-calc`'s): an answer drawn at random from the task's answers, so the
+    model calls the tool and answers in the right form but is right about as often as chance; reading the tool's
+    answer is left to RL whole. `answers="near"`: c with one digit changed (`near_miss`), so the model answers
+    with a number near the tool's and RL only has to make it copy the answer exactly (a start above chance).
     """
     from transformers import AutoTokenizer
 
@@ -122,7 +122,9 @@ def build_task_model(path: str | Path, preset: str, task: str, *, seed: int = 0,
 
     path = Path(path)
     done = path / "gearshift-warmup.done"
-    version = "tool-v2" if task in TOOL_WARMUPS else "v2"  # tool-v2: near-miss answers (tool-v1: shuffled)
+    # tool-v3: shuffled answers, the model at chance (tool-v2: near-miss answers; tool-v1: shuffled, before the
+    # exact-match reward); a model built by an older recipe is built again
+    version = "tool-v3" if task in TOOL_WARMUPS else "v2"
     recipe = f"{preset} {task} {sorted(task_options.items())} seed={seed} warmup={version}\n"
     if done.exists() and done.read_text() == recipe:
         return str(path)
