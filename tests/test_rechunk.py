@@ -54,3 +54,16 @@ def test_ten_or_more_chunks_keep_their_order(tmp_path):
     assert done.returncode == 0, done.stderr
     parts = [next(c.iterdir()) for c in sorted(p for p in carry.iterdir() if p.name.startswith("c"))]
     assert b"".join(p.read_bytes() for p in parts) == data
+
+
+def test_a_stream_on_standard_input_is_chunked_as_make_chunks_does(tmp_path):
+    data = os.urandom(7 * 1000 + 3)
+    carry = tmp_path / ".carry-sglang"
+    done = subprocess.run(["bash", str(SCRIPT), str(carry), "2000", "-"], input=data, capture_output=True,
+                          timeout=30)
+    assert done.returncode == 0, done.stderr
+    parts = [next(c.iterdir()) for c in sorted(p for p in carry.iterdir() if p.name.startswith("c"))]
+    assert [p.parent.name for p in parts] == ["c01", "c02", "c03", "c04"]
+    assert b"".join(p.read_bytes() for p in parts) == data
+    sums = (carry / "dev" / "parts.sha256").read_text().split("\n")
+    assert sums[:4] == [f"{hashlib.sha256(p.read_bytes()).hexdigest()}  {p.name}" for p in parts]

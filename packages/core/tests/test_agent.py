@@ -323,14 +323,16 @@ def test_small_calcs_warmup_answers_at_random_and_the_near_one_one_digit_off(gea
             out.append(tokenizer.decode(answer[:-1]).strip())  # the end token dropped
         return out
 
+    def one_digit_off(a: str, v: str) -> bool:
+        return len(a) == len(v) and sum(x != y for x, y in zip(a, v)) == 1
+
     values = [calc(r["prompt"].rstrip("=")) for r in rows]
     default = finals()
     assert set(default) <= {r["answer"] for r in rows}
     right = sum(a == v for a, v in zip(default, values)) / len(rows)
-    one_off = sum(len(a) == len(v) and sum(x != y for x, y in zip(a, v)) == 1 for a, v in zip(default, values))
+    one_off = sum(one_digit_off(a, v) for a, v in zip(default, values))
     assert right < 0.1 and one_off / len(rows) < 0.5, (right, one_off)
-    near = finals(answers="near")
-    assert all(len(a) == len(v) and sum(x != y for x, y in zip(a, v)) == 1 for a, v in zip(near, values))
+    assert all(one_digit_off(a, v) for a, v in zip(finals(answers="near"), values))
 
 
 def test_the_tool_warmups_answers_are_one_digit_off_the_tools_and_the_task_pays_only_the_exact_one():

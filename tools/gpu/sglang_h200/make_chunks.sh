@@ -25,9 +25,7 @@ for spec in "${own[@]}"; do fetch $C/wheels/own "$spec"; done
 n=$(ls $C/wheels/*.whl | wc -l); echo "$n wheels, $(du -cb $C/wheels/*.whl | tail -1)"
 [ "$n" = "${#specs[@]}" ] || { echo "expected ${#specs[@]} wheels (one version of each); clear $C/wheels and rerun"; exit 1; }
 [ "$(ls $C/wheels/own/*.whl | wc -l)" = "${#own[@]}" ] || { echo "expected ${#own[@]} wheels in $C/wheels/own"; exit 1; }
-rm -rf $C/c[0-9]* $C/stage $C/dev && mkdir -p $C/stage $C/dev
-(cd $C/wheels && tar cf - *.whl own/*.whl) | (cd $C/stage && split -b 48m -d -a 2 - part.)
-(cd $C/stage && sha256sum part.*) > $C/dev/parts.sha256
-i=1; for p in $C/stage/part.*; do d=$(printf '%s/c%02d' $C $i); mkdir -p $d; mv $p $d/; i=$((i+1)); done; rmdir $C/stage
+rm -rf $C/c[0-9]* $C/stage $C/dev
+(cd $C/wheels && tar cf - *.whl own/*.whl) | bash "$here/../rechunk.sh" "$PWD/$C" 48m -
 cp "$here/install.sh" $C/dev/
-echo "$((i - 1)) chunks:"; du -sh $C/c[0-9]* $C/dev; du -cb $C/c[0-9]*/part.* | tail -1
+du -sh $C/dev; du -cb $C/c[0-9]*/part.* | tail -1
