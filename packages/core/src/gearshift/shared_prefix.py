@@ -183,5 +183,6 @@ def packed_micro_batches(batch: TrainBatch, max_tokens: int, max_rows: int | Non
     # the prompt is each unit's key: a micro-batch holds one packed sequence of a prompt, as `layout` makes it
     return [torch.tensor(sorted(rows), dtype=torch.long) for rows in pack_by_width(packs, max_tokens, max_rows)]
 
+
 __all__ = ["Layout", "MASK_KINDS", "MAX_WIDTH", "layout", "logprobs", "packed_micro_batches", "prompt_groups",
            "prompt_lengths", "sliding_window", "split"]
