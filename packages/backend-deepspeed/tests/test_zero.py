@@ -470,3 +470,22 @@ def test_zero3_sync_from_the_partitions_gives_the_rollout_engine_deepspeeds_weig
     assert weights.keys() == baseline.keys() and all(torch.equal(weights[n], baseline[n]) for n in weights)
     assert any(not torch.equal(weights[n], before[n]) for n in weights)  # the step reached the rollout engine
     assert generated == baseline_generated
+
+
+def test_zero3_stash_is_sized_before_the_first_step_and_kept_across_switches(gearshift_model):
+    # ZeRO-3 with torch's AdamW: master weights and Adam's moments go to gearshift's stash, not DeepSpeed's move
+    engine = build(gearshift_model, zero_stage=3)
+    offloader = engine._offloader
+    before = sorted(offloader.stash_sizes("optimizer", device_only=False))
+    assert before and offloader.stash_sizes("optimizer") == []  # a CPU: nothing leaves a device
+    assert engine.reserve_host(["optimizer", "grads"]) == 0  # so nothing to reserve
+    batch = fixed_batch()
+    engine.train_step(batch, nll)
+    # the moments as the first step allocated them (Adam's step counters are host scalars: they stay)
+    assert sorted(n for n in offloader.stash_sizes("optimizer", device_only=False) if n > 64) == before
+    stashes = dict(offloader._stashes)
+    for _ in range(2):
+        engine.offload(["optimizer", "grads"])
+        engine.onload()
+    assert all(offloader._stashes[t] is stashes[t] for t in stashes)  # one host buffer a tag, every switch
+    engine.close()

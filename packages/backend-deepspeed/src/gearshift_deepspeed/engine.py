@@ -89,6 +89,11 @@ class DeepSpeedTrainEngine(ModuleTrainEngine):
     def onload(self, tags: Sequence[str] = TRAIN_TAGS) -> int:
         return self._offloader.onload(check_tags(tags, TRAIN_TAGS))
 
+    def reserve_host(self, tags: Sequence[str]) -> int:
+        """The host buffers of what `offload(tags)` stashes itself (see `gearshift_deepspeed.offload`), allocated
+        and pinned now; DeepSpeed's own move pins its buffers at the first offload."""
+        return self._offloader.reserve(check_tags(tags, TRAIN_TAGS))
+
     def save(self, path: str) -> None:
         """DeepSpeed's own checkpoint: every rank writes its partitions; loads at any dp size (see `load`)."""
         self.need_onloaded(TRAIN_TAGS, "save a checkpoint")
@@ -100,6 +105,8 @@ class DeepSpeedTrainEngine(ModuleTrainEngine):
         load_checkpoint(self.ds, path)
 
     def close(self) -> None:
+        if getattr(self, "_offloader", None) is not None:
+            self._offloader.close()
         if getattr(self, "ds", None) is not None:
             release(self.ds)
         self.ds = None

@@ -13,7 +13,10 @@ pinned staging copies, caches), and `reload_states` brings back everything it
 moved. Where DeepSpeed refuses a kind (ZeRO-3 moves master weights and Adam
 state only for its FusedAdam; nothing moves while it offloads parameters itself),
 the tensors behind it go to a `HostStash` instead: storages copied out and freed
-in place, so the optimizer keeps the same tensor objects. Frozen weights (LoRA's
+in place, so the optimizer keeps the same tensor objects. Each tag keeps its
+stash, and so its host buffer (pinned on a GPU), for every later offload; `reserve`
+allocates it at start, so the first switch copies as fast as the next (DeepSpeed keeps
+the pinned buffers of what it moves itself from its first offload on). Frozen weights (LoRA's
 base) lie outside ZeRO-1/2's flat groups, so the stash takes them with `params`;
 at ZeRO-3 DeepSpeed's move of `lp_params` breaks on them (it maps every
 parameter's partition into a buffer that holds only the trainable ones), so the
@@ -45,7 +48,8 @@ class ZeroOffloader:
         self.device = torch.device(engine.device)
         self._frozen = list(frozen)  # parameters that train not (LoRA's base): outside ZeRO-1/2's flat groups
         self._away: set[str] = set()
-        self._stashes: dict[str, HostStash] = {}
+        # kept: their host buffers are reused (a new one would be allocated and pinned at every offload)
+        self._stashes: dict[str, HostStash] = {tag: HostStash() for tag in TAG_STATES}
 
     @property
     def away(self) -> set[str]:
@@ -61,9 +65,7 @@ class ZeroOffloader:
         if kinds:
             self._offload_states(kinds)
         for tag in new:
-            stash = HostStash()
-            stash.offload(t for k in TAG_STATES[tag] for t in self._stashed(k) if t.device.type != "cpu")
-            self._stashes[tag] = stash
+            self._stashes[tag].offload(t for k in TAG_STATES[tag] for t in self._stashed(k) if t.device.type != "cpu")
         self._away.update(new)
         return max(before - self._allocated(), 0)
 
@@ -79,9 +81,37 @@ class ZeroOffloader:
             if staying:
                 self._offload_states(staying)
         for tag in back:
-            self._stashes.pop(tag).restore()
+            self._stashes[tag].restore()
         self._away.difference_update(back)
         return max(self._allocated() - before, 0)
+
+    def stash_sizes(self, tag: str, device_only: bool = True) -> list[int]:
+        """Bytes of each storage the stash takes for `tag` at an offload (on the device only, or wherever it
+        lies); before the first step, Adam's moments as the step will allocate them: two per master partition."""
+        sizes: dict[int, int] = {}
+        for kind in TAG_STATES[tag]:
+            tensors = self._stashed(kind)
+            if kind == "optim_states" and not tensors and not self._deepspeed_moves(kind):
+                masters = [t for t in self._tensors("hp_params") if not device_only or t.device.type != "cpu"]
+                sizes.update(((id(t), i), t.numel() * t.element_size()) for t in masters for i in range(2))
+                continue
+            sizes.update((t.untyped_storage().data_ptr(), t.untyped_storage().nbytes()) for t in tensors
+                         if t.untyped_storage().nbytes() and (not device_only or t.device.type != "cpu"))
+        return list(sizes.values())
+
+    def reserve(self, tags: Sequence[str]) -> int:
+        """Allocate (and pin, on a GPU) now the host buffers an offload of `tags` copies into; returns the host
+        bytes the stashes hold."""
+        for tag in tags:
+            sizes = self.stash_sizes(tag)
+            if sizes and tag not in self._away:
+                self._stashes[tag].reserve(HostStash.room_for(sizes))
+        return sum(s.host_bytes for s in self._stashes.values())
+
+    def close(self) -> None:
+        """Give the host buffers back."""
+        for stash in self._stashes.values():
+            stash.close()
 
     # --- DeepSpeed's side -----------------------------------------------------------------
     def _deepspeed_moves(self, kind: str) -> bool:
