@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import faulthandler
 import os
@@ -134,7 +135,8 @@ def ensure_process_group(device: torch.device | str | None = None) -> None:
 
     On a GPU the group has a gloo side beside nccl: state kept in host memory is
     reduced there, as are a checkpoint's host-side objects. A group made here is
-    this process's for good: engines use it and never destroy it.
+    this process's for good: engines use it and never destroy it; a group of one
+    is taken down at the process's exit (so NCCL does not warn of a leak).
     """
     if is_distributed():
         return
@@ -147,3 +149,10 @@ def ensure_process_group(device: torch.device | str | None = None) -> None:
         init(backend)
     else:
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+        atexit.register(_destroy_own_group, dist.group.WORLD)
+
+
+def _destroy_own_group(group) -> None:
+    """Take down the group of one `ensure_process_group` made, if it is still the process's group."""
+    if dist.is_initialized() and dist.group.WORLD is group:
+        dist.destroy_process_group()
