@@ -43,7 +43,8 @@ class VLLMOptions:
     enable_prefix_caching: bool = option(True, "reuse keys and values of shared prompt prefixes")
     enforce_eager: bool | None = option(None, "no CUDA graphs / torch.compile: a faster start, slower decoding "
                                               "(None: eager on a CPU, CUDA graphs on a GPU)")
-    num_threads: int | None = option(None, "torch threads while vLLM runs (None: OMP_NUM_THREADS, else 1)")
+    num_threads: int | None = option(None, "torch threads while vLLM runs (None: OMP_NUM_THREADS, else 1 for loads "
+                                              "and every core of the process for generating on a CPU)")
     cpu_weights: str = option("auto", "CPU weight layout: plain (written in place), packed (oneDNN, re-packed "
                                       "each sync), auto (plain for float32)", choices=("auto", "plain", "packed"))
     tp_slices: bool = option(True, "with tp > 1, declare each rank's slice of the tensor-parallel weights, so a "

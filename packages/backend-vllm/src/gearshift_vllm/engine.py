@@ -56,7 +56,7 @@ from .arguments import (VLLMOptions, check_architecture, check_sleep_allocator_f
 from .cpu_loader import register_plain_loader
 from .groups import LIVE, default_group_if_made_by, forget_dead_groups, shut_down
 from .host import (RngState, cache_paths, call_environment, contained, default_cache_dir, default_threads,
-                   engine_environment, threads)
+                   engine_environment, generate_threads, threads)
 from .requests import to_rollout, vllm_sampling
 from .tp_slices import declare_slices
 from .weights import UnitFeeder
@@ -103,6 +103,10 @@ class VLLMRolloutEngine(RolloutEngine):
         # serving adapters, the base weights are never resent: sleep keeps them
         self.sleep_level = 1 if args.max_lora_rank else opts.sleep_level
         self.num_threads = opts.num_threads if opts.num_threads is not None else default_threads()
+        #: generating on a CPU, every core (a colocated trainer waits); loads keep `num_threads`, since there two
+        #: threads spin-wait on each other on shared cores (see the README)
+        self.generate_threads = opts.num_threads if opts.num_threads is not None else (
+            self.num_threads if self.on_gpu else generate_threads())
         self.cache_dir = Path(opts.cache_dir) if opts.cache_dir else default_cache_dir()
         #: CPU weight layout ("plain" or "packed"); None on GPU
         self.cpu_weights = cpu_layout(opts, self.dtype, self.on_gpu)
@@ -197,9 +201,10 @@ class VLLMRolloutEngine(RolloutEngine):
         self._unlanded = [n for n in self._spec.names() if n not in self._landing] if self.args.max_lora_rank else []
 
     @contextmanager
-    def _calling_vllm(self):
+    def _calling_vllm(self, generating: bool = False):
         """Around every call into vLLM: its thread count, files under `cache_dir`, the host's state kept."""
-        with contained(self._call_env, cache_paths(self.cache_dir)["tmp"]), threads(self.num_threads):
+        count = self.generate_threads if generating else self.num_threads
+        with contained(self._call_env, cache_paths(self.cache_dir)["tmp"]), threads(count):
             torch.set_float32_matmul_precision(self._matmul_precision)
             yield
 
@@ -209,7 +214,7 @@ class VLLMRolloutEngine(RolloutEngine):
         requests = [{"prompt_token_ids": [int(t) for t in p]} for p in prompts]
         params = [vllm_sampling(self._vllm, sampling, i, self.max_model_len - len(p)) for i, p in enumerate(prompts)]
         self._prefixes = True
-        with self._calling_vllm(), self._own_rng():
+        with self._calling_vllm(generating=True), self._own_rng():
             outputs = self._llm.generate(requests, params, use_tqdm=False, lora_request=self._lora_request)
         rollouts = []
         for i, (prompt, out) in enumerate(zip(requests, outputs)):

@@ -81,5 +81,16 @@ def default_threads() -> int:
         return 1
 
 
+def generate_threads() -> int:
+    """Torch threads for generating on a CPU when none are asked for: OMP_NUM_THREADS when set, else every core
+    this process may run on. A colocated trainer waits while the engine generates, so its cores are free."""
+    if "OMP_NUM_THREADS" in os.environ:
+        return default_threads()
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # not on Linux
+        return max(1, os.cpu_count() or 1)
+
+
 __all__ = ["HostState", "OWN_PREFIX", "RngState", "cache_paths", "call_environment", "contained", "default_cache_dir",
-           "default_threads", "engine_environment", "threads"]
+           "default_threads", "engine_environment", "generate_threads", "threads"]
