@@ -58,3 +58,32 @@ def test_a_shared_cell_asks_for_shared_prompts_and_a_bad_cell_names_the_form():
     assert not any("share_prompts" in a for a in s.overrides(plain, 2, out, 32, 8))
     with pytest.raises(SystemExit, match=r"\[-shared\]"):
         s.parse_cell("7b-256-fsdp-auto-extra")
+
+
+def test_the_table_of_every_cell_takes_the_latest_run_of_a_cell_on_each_device(tmp_path):
+    import json
+
+    spec = importlib.util.spec_from_file_location("scenario_table", SCRIPT.parent / "scenario_table.py")
+    table = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(table)
+    s = load()
+    rows = [{"time/step": 10.0, "time/rollout": 4.0, "time/train": 6.0, "memory/peak_gb": 70.0}] * 3
+
+    def write(folder, cell, code, steps):
+        (tmp_path / folder).mkdir(exist_ok=True)
+        result = s.summarize(s.parse_cell(cell), rows[:steps], code, 100.0, "")
+        (tmp_path / folder / f"scenario-{cell}.json").write_text(json.dumps({"cells": [result], "not_run": []}))
+
+    write("2026-12-01-h200-realistic", "7b-256-fsdp-auto", 1, 1)  # failed, then run again
+    write("2026-12-03-h200-realistic", "7b-256-fsdp-auto", 0, 3)
+    write("2026-12-05-h100-realistic", "7b-256-fsdp-auto", s.STOPPED, 2)
+    write("notes", "0.5b-256-fsdp-auto", 0, 3)  # not a <date>-<device> folder: not a measurement
+    every = table.runs(tmp_path)
+    assert [(r["date"], r["device"]) for r in every] == [("2026-12-01", "h200"), ("2026-12-03", "h200"),
+                                                         ("2026-12-05", "h100")]
+    last = table.latest(every)
+    assert [(r["device"], r["date"], r["exit"]) for r in last] == [("h100", "2026-12-05", s.STOPPED),
+                                                                   ("h200", "2026-12-03", 0)]
+    text = table.table(last)
+    assert "| 2026-12-05 | H100 | 7b-256-fsdp-auto | vllm | 2 (budget) | 10.00 |" in text
+    assert "| 2026-12-03 | H200 | 7b-256-fsdp-auto | vllm | 3 | 10.00 | 4.00 | 6.00 |" in text

@@ -41,7 +41,10 @@ def test_engine_calls_run_with_their_own_thread_count(vllm_engine):
         vllm_engine.generate(PROMPTS[:1], SAMPLE)
     finally:
         del vllm_engine._llm.generate
-    assert seen == [vllm_engine.num_threads]
+    # generating on a CPU: every core the process may use (the trainer waits meanwhile); loads: one thread
+    cores = int(os.environ["OMP_NUM_THREADS"]) if "OMP_NUM_THREADS" in os.environ else len(os.sched_getaffinity(0))
+    assert seen == [cores] and vllm_engine.generate_threads == cores
+    assert vllm_engine.num_threads == (cores if "OMP_NUM_THREADS" in os.environ else 1)
     assert torch.get_num_threads() == host
 
 
