@@ -179,3 +179,23 @@ def test_the_eager_attention_takes_an_additive_mask_and_gives_the_same_logprobs(
     out = eager.forward_logprobs(batch)
     seen = batch.attention_mask.bool()
     torch.testing.assert_close(out.logprobs[seen], apart.logprobs[seen], rtol=1e-5, atol=1e-5)
+
+
+def test_left_to_itself_an_engine_shares_prompts_only_where_packing_computes_less(gearshift_model):
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(gearshift_model)
+    # two prompts of 8 rows each: 40 prompt tokens then 3, and 3 then 60
+    long_prompts = TrainBatch.from_sequences([[40 + k] * 40 for k in (0, 1) for _ in range(8)], [[50, 51, 52]] * 16)
+    long_answers = TrainBatch.from_sequences([[40 + k, 41, 42] for k in (0, 1) for _ in range(8)],
+                                             [[50 + i % 9] * 60 for i in range(16)])
+    assert shared_prefix.sharing_pays(long_prompts, config)
+    assert not shared_prefix.sharing_pays(long_answers, config)  # attention over ~480 packed tokens costs more
+    loss_fn = make_policy_loss_fn("ppo_clip")
+    for batch, shared in ((long_prompts, True), (long_answers, False)):
+        shape = batch.loss_mask.shape
+        batch.extras.update(advantages=torch.ones(shape) * batch.loss_mask, old_logprobs=-batch.loss_mask.float())
+        batch.extras[TOKENS_PER_SEQ] = tokens_per_seq(batch.loss_mask)
+        left, asked = engine(gearshift_model), engine(gearshift_model, share_prompts=True)
+        assert (left.train_step(batch, loss_fn)["shared_frac"] > 0) is shared
+        assert asked.train_step(batch, loss_fn)["shared_frac"] > 0  # asked for, it shares regardless

@@ -195,7 +195,7 @@ class ModuleTrainEngine(TrainEngine):
         micro-batches as the rank with the most.
         """
         budget = self.args.max_tokens_per_micro_batch or self.token_budget(batch, training)
-        if self.shares_prompts():  # a prompt's rows kept together, each packed sequence within the budget
+        if self.shares_prompts() and self.prompt_sharing.pays(batch, budget):  # a prompt's rows kept together
             groups = self.prompt_sharing.micro_batches(batch, budget, self.args.micro_batch_size)
         else:
             groups = micro_batch_rows(batch, max_rows=self.args.micro_batch_size, max_tokens=budget)

@@ -1,7 +1,8 @@
 """A trainer's shared prompts (gearshift.shared_prefix): whether they apply, the check on the first forward,
 each micro-batch's plan and layout. `ModuleTrainEngine` holds one `PromptSharing`.
 
-They apply when `train.share_prompts` asks (None: on a CPU) and nothing refuses them: a critic, a sharding
+They apply when `train.share_prompts` asks (None: on a CPU, for a batch where packing computes less than
+running its rows apart: `shared_prefix.sharing_pays`) and nothing refuses them: a critic, a sharding
 whose forward takes no packed rows (FSDP under Ulysses), an attention implementation that takes no 4-D mask,
 a sliding window the mask would replace. The first forward runs two rows of one prompt packed and apart
 and compares them, every rank at once: a model that applies a mask of its own instead of the one given turns
@@ -20,7 +21,8 @@ from torch import nn
 from . import dist as gdist
 from .mesh import MeshSpec
 from .micro_batch import micro_batch_rows
-from .shared_prefix import MASK_KINDS, MAX_WIDTH, Layout, layout, packed_micro_batches, sliding_window
+from .shared_prefix import (MASK_KINDS, MAX_WIDTH, Layout, layout, packed_micro_batches, sharing_pays,
+                            sliding_window)
 from .train import TrainBatch
 
 
@@ -67,6 +69,10 @@ class PromptSharing:
     def mask_kind(self) -> str:
         return MASK_KINDS[self.config._attn_implementation]
 
+    def pays(self, batch: TrainBatch, budget: int | None) -> bool:
+        """Whether `batch` runs packed by prompt: always when asked; left to us, when that computes less."""
+        return bool(self.asked) or sharing_pays(batch, self.config, min(budget or MAX_WIDTH, MAX_WIDTH))
+
     def micro_batches(self, batch: TrainBatch, budget: int | None, max_rows: int | None) -> list[torch.Tensor]:
         """Rows of each micro-batch: under a token budget, packed sequences of whole prompts; else runs of rows."""
         self.cap = min(budget or MAX_WIDTH, MAX_WIDTH)
@@ -79,6 +85,8 @@ class PromptSharing:
         if self.holds is None:
             self.check(batch, model, device)
         if not self.holds:
+            return None
+        if not self.pays(batch, self.cap):
             return None
         lay = layout(batch, self.cap)
         return lay if lay.input_ids.shape[0] < batch.size else None

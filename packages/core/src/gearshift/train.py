@@ -42,7 +42,8 @@ class TrainArgs(EngineArgs):
     share_prompts: bool | None = option(
         None, "compute a prompt once for all the rows that begin with it (GRPO's n samples): one packed sequence "
               "per prompt, each row seeing the prompt and itself; the same log-probabilities and gradients up to "
-              "float rounding (None: on a CPU, where it was measured; off on a GPU until measured there)")
+              "float rounding (None: on a CPU, where it was measured, for a batch where packing computes less "
+              "than running rows apart; off on a GPU until measured there)")
     value_head: bool = option(False, "a critic: a linear value head on the decoder; forward_logprobs returns values")
     dropout: bool = option(False, "train with the model's dropout; off by default, since an on-policy update "
                                   "with dropout is off-policy")

@@ -175,7 +175,8 @@ class TrainConfig(Section):
     1,024 on a CPU (when micro_batch_size is null too)."""
     share_prompts: bool | None = None
     """Compute a prompt once for all its samples (one packed sequence per prompt, the same logprobs and
-    gradients up to rounding); null: on a CPU, off on a GPU until measured there. A critic never does."""
+    gradients up to rounding); null: on a CPU for a batch where packing computes less than running its rows
+    apart (short prompts before long answers do not), off on a GPU until measured there. A critic never does."""
     mesh: str | None = None
     """How the engine lies over the ranks, e.g. 'dp=2' or 'dp=2,tp=2'; null: data parallel over every rank."""
     options: dict[str, Any] = field(default_factory=dict)
