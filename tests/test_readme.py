@@ -88,6 +88,9 @@ HOW: dict[str, tuple[str, str]] = {
     "tools/gpu/split_ray.sh": ("gpu", "tools/gpu/split_ray.sh"),
     "bash tools/gpu/h200_realistic.sh build": ("gpu", "tools/gpu/h200_realistic.sh"),
     "bash tools/gpu/h200_realistic.sh profile": ("gpu", "tools/gpu/h200_realistic.sh"),
+    "CELLS=7b-256-fsdp-auto,0.5b-1024-fsdp-forced STEPS=20 bash tools/gpu/h200_realistic.sh scenario": (
+        "gpu", "tools/gpu/h200_realistic.sh"),
+    "python tools/gpu/scenario_table.py": ("run", "7b-256-fsdp-auto"),
     "bash tools/gpu/h200_sglang.sh conformance bench scenario": ("gpu", "tools/gpu/h200_sglang.sh"),
     "tools/gpu/background.sh": ("test", "tests/test_background_jobs.py"
                                 "::test_a_job_runs_on_after_its_call_and_its_exit_code_and_output_are_kept"),
