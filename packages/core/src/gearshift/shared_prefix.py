@@ -85,6 +85,18 @@ def split(rows: list[int], prompt: int, lengths: list[int], cap: int | None,
     return out
 
 
+def prompt_packs(batch: TrainBatch, lengths: list[int], cap: int | None = None,
+                 max_rows: int | None = None) -> list[tuple[int, int, list[int]]]:
+    """`batch`'s packed sequences as (prompt length, prompt group, rows): each prompt's rows `split` under `cap`
+    tokens (and `max_rows` rows), prompts in first-seen order."""
+    prompts = prompt_lengths(batch)
+    packs = []
+    for g, group in enumerate(prompt_groups(batch, prompts)):
+        p = prompts[group[0]]
+        packs += [(p, g, rows) for rows in split(group, p, lengths, cap, max_rows)]
+    return packs
+
+
 #: the packed rows' 4-D mask costs passes of its own over every (query, key) pair: on a CPU the packed rows of
 #: the calc task cost 1.3x what the FLOPs alone give
 MASK_OVERHEAD = 1.5
@@ -109,16 +121,11 @@ def sharing_pays(batch: TrainBatch, config, cap: int | None = None) -> bool:
     """Whether packing `batch`'s rows by prompt computes less than running them apart: it saves the repeated
     prompts' tokens and costs attention over the packed sequences (each row's keys become the whole sequence's,
     quadratic in its width): short prompts before long answers run faster apart."""
-    prompts, lengths = prompt_lengths(batch), batch.lengths.tolist()
+    lengths = batch.lengths.tolist()
     alpha = pair_cost(config)
     apart = sum(n + alpha * n * n for n in lengths)
-    packed = 0.0
-    for group in prompt_groups(batch, prompts):
-        p = prompts[group[0]]
-        for rows in split(group, p, lengths, cap):
-            w = packed_width(rows, p, lengths)
-            packed += w + alpha * w * w
-    return packed < apart
+    widths = [packed_width(rows, p, lengths) for p, _, rows in prompt_packs(batch, lengths, cap)]
+    return sum(w + alpha * w * w for w in widths) < apart
 
 
 def packed_width(rows: list[int], prompt: int, lengths: list[int]) -> int:
@@ -159,11 +166,8 @@ class Layout:
 def layout(batch: TrainBatch, cap: int | None = None) -> Layout:
     """`batch`'s rows packed by prompt, sequences of at most `cap` tokens (a prompt's rows split among several
     when needed; a row longer than `cap` alone)."""
-    prompts, lengths = prompt_lengths(batch), batch.lengths.tolist()
-    packs: list[tuple[int, list[int]]] = []  # (prompt length, rows)
-    for group in prompt_groups(batch, prompts):
-        p = prompts[group[0]]
-        packs += [(p, rows) for rows in split(group, p, lengths, cap)]
+    lengths = batch.lengths.tolist()
+    packs = [(p, rows) for p, _, rows in prompt_packs(batch, lengths, cap)]  # (prompt length, rows)
     widths = [packed_width(rows, p, lengths) for p, rows in packs]
     width = max(max(widths), 1)
     count, (size, row_width) = len(packs), batch.input_ids.shape
@@ -210,15 +214,12 @@ def packed_micro_batches(batch: TrainBatch, max_tokens: int, max_rows: int | Non
     prompt's rows stay together as far as the budget lets them, neighbours in width share a micro-batch, and
     a micro-batch holds at most one sequence of a prompt, so that `layout` packs it as planned here."""
     cap = min(cap or max_tokens, max_tokens)
-    prompts, lengths = prompt_lengths(batch), batch.lengths.clamp(min=1).tolist()
-    packs = []
-    for g, group in enumerate(prompt_groups(batch, prompts)):
-        p = prompts[group[0]]
-        packs += [(packed_width(rows, p, lengths), g, rows) for rows in split(group, p, lengths, cap, max_rows)]
+    lengths = batch.lengths.clamp(min=1).tolist()
+    packs = [(packed_width(rows, p, lengths), g, rows) for p, g, rows in prompt_packs(batch, lengths, cap, max_rows)]
     packs.sort(key=lambda x: -x[0])  # stable
     # the prompt is each unit's key: a micro-batch holds one packed sequence of a prompt, as `layout` makes it
     return [torch.tensor(sorted(rows), dtype=torch.long) for rows in pack_by_width(packs, max_tokens, max_rows)]
 
 
 __all__ = ["Layout", "MASK_KINDS", "MASK_OVERHEAD", "MAX_WIDTH", "layout", "logprobs", "packed_micro_batches",
-           "pair_cost", "prompt_groups", "prompt_lengths", "sharing_pays", "sliding_window", "split"]
+           "pair_cost", "prompt_groups", "prompt_lengths", "prompt_packs", "sharing_pays", "sliding_window", "split"]
