@@ -59,7 +59,7 @@ def parse_cell(cell: str) -> dict:
             "shared": shared}
 
 
-ROLLOUTS = ("vllm", "sglang")
+ROLLOUTS = ("vllm", "sglang", "hf")
 
 
 def overrides(c: dict, steps: int, out: Path, prompts: int, n: int, model: str | None = None) -> list[str]:
