@@ -4,9 +4,10 @@
     python tools/calc_warmup.py --answers near --out /tmp/small-calc-near
     gearshift train data.task=calc model.path=/tmp/small-calc-near ...
 
-`gearshift train data.task=calc` builds `small-calc` itself with the shuffled warm-up (`--answers shuffled`:
-final answers drawn at random from the task's answers, so the model starts at chance); `--answers near` gives
-the tool's answer with one digit changed, a start above chance. The same preset, task rows and seed as
+`gearshift train data.task=calc` builds `small-calc` itself with `--answers length` (final answers drawn at
+random from the task's answers with as many digits as the tool's, so the model starts at chance); `--answers
+shuffled` draws them from all the task's answers (the length, too, left to RL); `--answers near` gives the
+tool's answer with one digit changed, a start above chance. The same preset, task rows and seed as
 `build_task_model`.
 """
 
@@ -18,7 +19,7 @@ from pathlib import Path
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--answers", choices=("near", "shuffled"), default="shuffled")
+    p.add_argument("--answers", choices=("near", "length", "shuffled"), default="length")
     p.add_argument("--preset", default="small")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", required=True, type=Path)

@@ -304,8 +304,9 @@ def test_the_tool_warmup_teaches_the_call_and_keeps_the_tools_answer_out_of_the_
 
 def test_small_calcs_warmup_answers_at_random_and_the_near_one_one_digit_off(gearshift_model, tokenizer,
                                                                                 monkeypatch, tmp_path):
-    """`small-calc` (the default warm-up) starts at chance: its final answers are drawn from the task's answers,
-    not read from the tool's; `answers="near"` gives the tool's answer with one digit changed."""
+    """`small-calc` (the default warm-up) starts at chance: its final answers are drawn from the task's answers
+    of the tool's answer's length, not read from the tool's; `answers="shuffled"` draws from all of them, lengths
+    mixed; `answers="near"` gives the tool's answer with one digit changed."""
     import gearshift.rl.warmup as warmup
     from gearshift.rl.agent.builtin import calc
     from gearshift.rl.tasks import make_task
@@ -332,6 +333,11 @@ def test_small_calcs_warmup_answers_at_random_and_the_near_one_one_digit_off(gea
     right = sum(a == v for a, v in zip(default, values)) / len(rows)
     one_off = sum(one_digit_off(a, v) for a, v in zip(default, values))
     assert right < 0.1 and one_off / len(rows) < 0.5, (right, one_off)
+    assert all(len(a) == len(v) for a, v in zip(default, values))
+    shuffled = finals(answers="shuffled")
+    assert set(shuffled) <= {r["answer"] for r in rows}
+    assert sum(a == v for a, v in zip(shuffled, values)) / len(rows) < 0.1
+    assert 0.2 < sum(len(a) != len(v) for a, v in zip(shuffled, values)) / len(rows) < 0.8
     assert all(one_digit_off(a, v) for a, v in zip(finals(answers="near"), values))
 
 

@@ -49,15 +49,17 @@ def near_miss(answer: str, rng: random.Random) -> str:
 
 
 def tool_warmup(base: str, out: str | Path, rows: list[dict], *, steps: int = 300, batch_size: int = 64,
-                lr: float = 1e-3, seed: int = 0, answers: str = "shuffled") -> str:
+                lr: float = 1e-3, seed: int = 0, answers: str = "length") -> str:
     """Fine-tune `base` on calculator episodes of `rows` whose final answers are wrong, and save it to `out`.
 
     Each example is the episode the `calc` task's agent writes: `<calc>a+b</calc>` (the model's), the tool's
     `<result>c</result>` (kept out of the loss, as in RL) and a final answer that is not read from c.
-    `answers="shuffled"` (the default, `small-calc`'s): an answer drawn at random from the task's answers, so the
-    model calls the tool and answers in the right form but is right about as often as chance; reading the tool's
-    answer is left to RL whole. `answers="near"`: c with one digit changed (`near_miss`), so the model answers
-    with a number near the tool's and RL only has to make it copy the answer exactly (a start above chance).
+    `answers="length"` (the default, `small-calc`'s): an answer drawn at random from the task's answers with as
+    many digits as c, so the model calls the tool and answers in the right form and length but is right about as
+    often as chance; reading the tool's answer is left to RL whole. `answers="shuffled"`: drawn from all the
+    task's answers, the length too left to RL. `answers="near"`: c with one digit changed (`near_miss`), so the
+    model answers with a number near the tool's and RL only has to make it copy the answer exactly (a start
+    above chance).
     """
     from transformers import AutoTokenizer
 
@@ -66,9 +68,12 @@ def tool_warmup(base: str, out: str | Path, rows: list[dict], *, steps: int = 30
 
     tokenizer = AutoTokenizer.from_pretrained(base)
     rng = random.Random(seed)
-    if answers not in ("shuffled", "near"):
-        raise ValueError(f"answers={answers!r}: use 'shuffled' or 'near'")
+    if answers not in ("shuffled", "length", "near"):
+        raise ValueError(f"answers={answers!r}: use 'shuffled', 'length' or 'near'")
     pool = [r["answer"] for r in rows]
+    by_length: dict[int, list[str]] = {}
+    for a in pool:
+        by_length.setdefault(len(a), []).append(a)
     prompts = tokenize_prompts(rows, tokenizer)
 
     def encode(text: str) -> list[int]:
@@ -79,7 +84,10 @@ def tool_warmup(base: str, out: str | Path, rows: list[dict], *, steps: int = 30
         expression = row["prompt"].rstrip("=")
         value = calc(expression)
         call, result = encode(f"<calc>{expression}</calc>"), encode(f"<result>{value}</result>")
-        final = rng.choice(pool) if answers == "shuffled" else near_miss(value, rng)
+        if answers == "near":
+            final = near_miss(value, rng)
+        else:
+            final = rng.choice(by_length.get(len(value), pool) if answers == "length" else pool)
         answer = encode(final) + [tokenizer.eos_token_id]
         episodes.append(call + result + answer)
         masks.append([1] * len(call) + [0] * len(result) + [1] * len(answer))
@@ -122,9 +130,9 @@ def build_task_model(path: str | Path, preset: str, task: str, *, seed: int = 0,
 
     path = Path(path)
     done = path / "gearshift-warmup.done"
-    # tool-v3: shuffled answers, the model at chance (tool-v2: near-miss answers; tool-v1: shuffled, before the
-    # exact-match reward); a model built by an older recipe is built again
-    version = "tool-v3" if task in TOOL_WARMUPS else "v2"
+    # tool-v4: answers of the tool's length, the model at chance (tool-v3: shuffled answers; tool-v2: near-miss
+    # answers; tool-v1: shuffled, before the exact-match reward); a model built by an older recipe is built again
+    version = "tool-v4" if task in TOOL_WARMUPS else "v2"
     recipe = f"{preset} {task} {sorted(task_options.items())} seed={seed} warmup={version}\n"
     if done.exists() and done.read_text() == recipe:
         return str(path)
