@@ -7,7 +7,8 @@ A cell is `<model>-<answer tokens>-<trainer>-<offload>[-shared]`: model 0.5b, 1.
 random weights), answer length in tokens, trainer fsdp or deepspeed, offload `auto` (the memory plan) or
 `forced` (optimizer and grads to host memory and the rollout engine put to sleep at every switch); `-shared`
 adds `train.share_prompts=true` (a prompt computed once for its samples; off on a GPU by default). Every cell runs
-32 prompts x 8 samples per step with vLLM rollout (`--rollout sglang` for SGLang's) and no memory options: the
+32 prompts x 8 samples per step with vLLM rollout (`--rollout sglang` for SGLang's, `--rollout hf` for
+transformers' own generate, which needs no carry) and no memory options: the
 default micro-batching has to fit by itself. Master weights are bf16 at 7B (fp32 does not fit beside the
 rollout engine) and fp32 below.
 

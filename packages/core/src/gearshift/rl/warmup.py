@@ -71,7 +71,7 @@ def tool_warmup(base: str, out: str | Path, rows: list[dict], *, steps: int = 30
     if answers not in ("shuffled", "length", "near"):
         raise ValueError(f"answers={answers!r}: use 'shuffled', 'length' or 'near'")
     pool = [r["answer"] for r in rows]
-    by_length: dict[int, list[str]] = {}
+    by_length: dict[int, list[str]] = {}  # the pool by number of digits: a row's answer's length is always there
     for a in pool:
         by_length.setdefault(len(a), []).append(a)
     prompts = tokenize_prompts(rows, tokenizer)
@@ -86,8 +86,10 @@ def tool_warmup(base: str, out: str | Path, rows: list[dict], *, steps: int = 30
         call, result = encode(f"<calc>{expression}</calc>"), encode(f"<result>{value}</result>")
         if answers == "near":
             final = near_miss(value, rng)
+        elif answers == "length":
+            final = rng.choice(by_length[len(value)])
         else:
-            final = rng.choice(by_length.get(len(value), pool) if answers == "length" else pool)
+            final = rng.choice(pool)
         answer = encode(final) + [tokenizer.eos_token_id]
         episodes.append(call + result + answer)
         masks.append([1] * len(call) + [0] * len(result) + [1] * len(answer))
