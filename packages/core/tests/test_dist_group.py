@@ -18,3 +18,45 @@ def test_a_group_of_one_made_for_the_engines_is_taken_down_at_exit():
     assert out.returncode == 0, out.stderr[-2000:]
     assert "group made: True 1" in out.stdout
     assert "group at exit: False" in out.stdout  # destroyed, so no "destroy_process_group() was not called"
+
+
+JOINED = """
+import atexit, os, sys
+import torch.distributed as dist
+atexit.register(lambda: print("group at exit:", dist.is_initialized()))
+from gearshift import cli, dist as gdist
+gdist.init()  # as torchrun's ranks join, here a world of one
+print("joined:", dist.is_initialized())
+code = cli.main(sys.argv[1:])
+print("code:", code)
+"""
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _joined(*argv: str) -> str:
+    env = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": str(_free_port()), "PATH": "/usr/bin:/bin"}
+    out = subprocess.run([sys.executable, "-c", JOINED, *argv], capture_output=True, text=True, timeout=120,
+                         env=env)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "joined: True" in out.stdout
+    return out.stdout
+
+
+def test_a_command_that_ends_well_takes_down_the_group_its_ranks_joined():
+    """Else gloo's threads can abort a rank at the interpreter's exit after a good run."""
+    stdout = _joined("env")
+    assert "code: 0" in stdout and "group at exit: False" in stdout
+
+
+def test_a_command_that_fails_leaves_the_group_alone():
+    """Taking a group down while a peer may still be inside a collective can hang: not on failure."""
+    stdout = _joined("backends", "no-such-backend")
+    assert "code: 0" not in stdout and "group at exit: True" in stdout

@@ -173,6 +173,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         code = int(_resolve(args.run)(args) or 0)
         sys.stdout.flush()  # inside the try: a closed pipe fails here, not at exit
+        if code == 0:
+            from . import dist as gdist
+
+            gdist.leave()  # a group torchrun's ranks joined is taken down before the interpreter's exit
         return code
     except (BackendError, ValueError, FileNotFoundError) as err:
         print(f"gearshift {args.command}: error: {err}", file=sys.stderr)

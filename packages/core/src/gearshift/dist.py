@@ -39,12 +39,29 @@ def init(backend: str | None = None, timeout_s: float = DEFAULT_TIMEOUT_S) -> No
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
-    global _watchdog_s
+    global _watchdog_s, _joined
     _watchdog_s = timeout_s + 30
+    _joined = dist.group.WORLD
     heartbeat()
 
 
 _watchdog_s: float | None = None
+_joined = None  # the group `init` joined, which `leave` takes down
+
+
+def leave() -> None:
+    """Take down the group `init` joined, once a command has ended well on this rank.
+
+    Without it, gloo's worker threads can still hold work when the interpreter
+    shuts down, and a rank aborts at exit ("terminate called without an active
+    exception") after a run that went well. Not called on failure: taking a
+    group down while a peer is still inside a collective can hang.
+    """
+    global _joined
+    if _joined is not None and is_distributed() and dist.group.WORLD is _joined:
+        faulthandler.cancel_dump_traceback_later()
+        dist.destroy_process_group()
+    _joined = None
 
 
 def heartbeat() -> None:

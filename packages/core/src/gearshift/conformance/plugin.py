@@ -107,6 +107,7 @@ def gearshift_shared_tmp_root():
     gdist.barrier()
     if gdist.rank() == 0:
         shutil.rmtree(path, ignore_errors=True)
+    gdist.leave()  # the last session fixture to end: no collective follows
 
 
 @pytest.fixture
