@@ -182,6 +182,80 @@ def test_a_weight_whose_view_fails_verification_goes_through_sglangs_loader(engi
     assert engine._landed == set(engine.weight_spec().names())
 
 
+def lent_buckets(weights: dict[str, torch.Tensor], per_bucket: int = 5) -> list[WeightBucket]:
+    """Buckets of the given tensors themselves, marked as a trainer's own (`WeightBucket.lent`)."""
+    items = list(weights.items())
+    return [WeightBucket(dict(items[i:i + per_bucket]), i // per_bucket, lent=True)
+            for i in range(0, len(items), per_bucket)]
+
+
+def test_lent_tensors_are_handed_over_once_then_read_where_they_are_at_each_sync(engine, original, monkeypatch):
+    """A trainer's own tensors reach the scheduler once; each later sync copies what they hold then."""
+    baseline = outputs(engine)
+    changed = perturbed(original)
+    engine.update_weights(as_buckets(changed, engine.device))  # through the flat buffer
+    through_buffer = outputs(engine)
+    engine.update_weights(as_buckets(original, engine.device))
+    trainer = {n: t.clone() for n, t in changed.items()}  # stands for the trainer's parameters
+    calls = rpc_calls(engine, monkeypatch)
+    handed = engine._sources.handed  # the session's engine: other tests' syncs came first
+    try:
+        engine.update_weights(lent_buckets(trainer))
+        sent = [(name, k) for name, k in calls if name.startswith("gearshift_")]
+        assert [name for name, _ in sent] == ["gearshift_sources"] and sent[0][1]["payload"], \
+            "every weight lands: one call, the tensors handed over, no flat buffer"
+        assert outputs(engine) == through_buffer
+        with torch.no_grad():  # an optimizer step writes into the same tensors
+            for n, t in trainer.items():
+                t.copy_(original[n])
+        calls.clear()
+        engine.update_weights(lent_buckets(trainer, per_bucket=3))  # bucketed otherwise: the same tensors
+        assert [(name, k["payload"]) for name, k in calls if name.startswith("gearshift_")] == \
+            [("gearshift_sources", "")], "the same tensors: nothing handed over"
+        assert outputs(engine) == baseline, "the scheduler read the tensors as they are now"
+        assert engine._sources.handed == handed + 1
+        moved = {n: t.clone() for n, t in changed.items()}  # a trainer that made its parameters anew
+        engine.update_weights(lent_buckets(moved))
+        assert engine._sources.handed == handed + 2 and outputs(engine) == through_buffer
+        calls.clear()
+        engine.release_sources()
+        assert [name for name, _ in calls] == ["gearshift_release_sources"] and not engine._sources.held
+        engine.update_weights(lent_buckets(trainer))
+        assert engine._sources.handed == handed + 3 and outputs(engine) == baseline
+    finally:
+        monkeypatch.undo()
+        engine.release_sources()
+        engine.update_weights(as_buckets(original, engine.device))
+
+
+def test_lent_tensors_in_the_trainers_dtype_are_cast_as_they_are_copied(engine, original):
+    """fp32 master weights reach a bf16 engine uncast: the scheduler casts as it copies (`casts_on_load`)."""
+    assert engine.casts_on_load
+    wider = {n: t.to(torch.float64) for n, t in perturbed(original).items()}
+    try:
+        engine.update_weights(as_buckets({n: t.to(engine.dtype) for n, t in wider.items()}, engine.device))
+        expected = outputs(engine)
+        engine.update_weights(as_buckets(original, engine.device))
+        engine.update_weights(lent_buckets(wider))
+        assert outputs(engine) == expected
+    finally:
+        engine.release_sources()
+        engine.update_weights(as_buckets(original, engine.device))
+
+
+def test_a_bad_bucket_after_lent_ones_keeps_them_and_says_how_many(engine, original):
+    good = perturbed({n: original[n] for n in ["model.norm.weight", *LAYER1_MLP]})
+    stream = [*lent_buckets(good, per_bucket=2),
+              WeightBucket({"model.layers.0.self_attn.q_proj.weight": torch.zeros(3, 3)}, 9, lent=True)]
+    try:
+        with pytest.raises(WeightError, match=f"shape.*{len(good)} weights from the buckets before it were applied"):
+            engine.update_weights(stream)
+        assert reference_logprob_diff(engine.model_path, engine.generate(PROMPTS, GREEDY), good) <= 1e-4
+    finally:
+        engine.release_sources()
+        engine.update_weights(as_buckets(original, engine.device))
+
+
 #: run in a process of its own: SGLang's Engine.shutdown() ends every child process of the process it runs in, so
 #: closing a second engine here would end the session's engine too
 SYNC_AGAINST_OWN_LOAD = """
@@ -207,8 +281,11 @@ if __name__ == "__main__":
         for _ in range(3):  # the buffer and the bucket's layout reach the scheduler
             engine.update_weights(bucket)
         sync, own = best(lambda: engine.update_weights(bucket)), best(lambda: engine.own_load(bucket))
+        lent = [WeightBucket(bucket[0].tensors, lent=True)]  # the trainer's own tensors: no flat buffer between
+        engine.update_weights(lent)
+        from_trainer = best(lambda: engine.update_weights(lent))
         print(json.dumps({"landed": len(engine._landed), "tensors": len(engine.weight_spec().names()),
-                          "sync": sync, "own": own}))
+                          "sync": sync, "own": own, "lent": from_trainer, "handed": engine._sources.handed}))
     finally:
         engine.close()
 """
@@ -231,5 +308,7 @@ def test_on_290_tensors_a_sync_takes_a_small_part_of_sglangs_own_load(sglang_cac
     found = json.loads(out.stdout.strip().splitlines()[-1])
     print(f"sync {found['sync'] * 1e3:.2f} ms, SGLang's own load {found['own'] * 1e3:.2f} ms: "
           f"{found['sync'] / found['own']:.3f}x")
+    print(f"from the trainer's own tensors {found['lent'] * 1e3:.2f} ms")
     assert found["landed"] == found["tensors"] == 290
     assert found["sync"] <= 0.08 * found["own"]
+    assert found["lent"] <= 0.08 * found["own"] and found["handed"] == 1

@@ -140,3 +140,61 @@ def test_a_bf16_engine_casts_in_its_own_copy(gearshift_model):
         rollout.wake(["weights"])
         rollout.update_weights([WeightBucket({"model.norm.weight": torch.ones(mine["model.norm.weight"].shape,
                                                                              dtype=torch.int32)})])
+
+
+def test_a_copying_sync_marks_the_trainers_own_tensors_lent_and_nothing_else(pair):
+    """`WeightBucket.lent` tells a rollout engine it may hold the tensors until the next sync: only the trainer's
+    own storage, never a cast or gathered copy, and never a LoRA trainer's merged weights."""
+    from gearshift.reshard import stream_plan
+    from gearshift.reshard.resharders import lends
+
+    train, rollout = pair
+    seen, real = [], rollout.update_weights
+
+    def spy(buckets):
+        buckets = list(buckets)
+        seen.extend(buckets)
+        return real(buckets)
+
+    rollout.update_weights = spy
+    try:
+        actor = HybridActor(train, rollout, StreamingResharder(share=False))
+        actor.to_rollout()
+        actor.to_train()
+    finally:
+        del rollout.update_weights
+    own = train.local_weights(train.weight_spec().names())
+    assert seen and all(b.lent for b in seen)
+    assert all(t.data_ptr() == own[n].data_ptr() for b in seen for n, t in b.items())
+    assert lends(train)
+    src = train.weight_spec()
+    narrower = WeightSpec(src.mesh, tuple(ParamSpec(p.name, p.shape, torch.bfloat16, p.placement) for p in src),
+                          aliases=src.aliases)
+    plan = plan_reshard(src, narrower)
+    assert not any(b.lent for b in stream_plan(plan, train.local_weights, lent=True))  # cast on the way
+    assert all(b.lent for b in stream_plan(plan, train.local_weights, cast=False, lent=True))
+    assert not any(b.lent for b in stream_plan(plan, train.local_weights, cast=False))  # a ZeRO-3 gather
+
+
+def test_a_lora_trainer_lends_nothing(gearshift_model):
+    from gearshift.reshard.resharders import lends
+
+    assert not lends(TorchTrainEngine.build(gearshift_model, lora_r=2))
+
+
+def test_before_the_trainer_offloads_its_parameters_the_rollout_engine_lets_go_of_them(pair):
+    train, rollout = pair
+    events = []
+    real_offload = train.offload
+    rollout.release_sources = lambda: events.append("release")
+    train.offload = lambda tags: (events.append(("offload", tuple(tags))), real_offload(tags))[1]
+    try:
+        actor = HybridActor(train, rollout, offload_params=True)
+        actor.to_rollout()
+        actor.to_train()
+        plain = HybridActor(train, rollout, StreamingResharder(share=False))
+        plain.to_rollout()
+        plain.to_train()
+    finally:
+        del rollout.release_sources, train.offload
+    assert events == ["release", ("offload", ("params",))], "once, before the parameters' offload, and only then"

@@ -27,6 +27,10 @@ The scheduler gets two methods that the engine calls through SGLang's
 - `gearshift_load(payload, buffer, layout, update)`: one group of buckets, copied
   from the flat buffer into those views, the rest through SGLang's loader
   (`direct.DirectLoad.load`).
+- `gearshift_sources(payload, update)`: the trainer's own tensors (handed over
+  in `payload` when new, else those kept from the last time) copied into those
+  views in one batched copy (`direct.DirectLoad.copy_sources`);
+  `gearshift_release_sources()` lets go of them.
 """
 
 from __future__ import annotations
@@ -47,6 +51,8 @@ def run_scheduler_process(*args, **kwargs):
     scheduler.Scheduler.gearshift_freeze_gc = _freeze_gc
     scheduler.Scheduler.gearshift_map_weights = _map_weights
     scheduler.Scheduler.gearshift_load = _load
+    scheduler.Scheduler.gearshift_sources = _sources
+    scheduler.Scheduler.gearshift_release_sources = _release_sources
     return scheduler.run_scheduler_process(*args, **kwargs)
 
 
@@ -97,8 +103,21 @@ def _map_weights(self, spec_path: str, checkpoint: str, path: str) -> None:
         json.dump(found, f)
 
 
-def _load(self, payload: str, buffer: int, layout: int, update: int) -> None:
+def _in_session(self) -> bool:
     # SGLang 0.5.23 keeps an update session (begin/end_weight_update) and refuses its own loads outside one:
     # weights that go through its loader are refused there too (0.5.17 has no sessions)
-    session = getattr(getattr(self, "weight_updater", None), "_session", True) is not None
-    self.gearshift_direct.load(payload, buffer, layout, update, loader_allowed=session)
+    return getattr(getattr(self, "weight_updater", None), "_session", True) is not None
+
+
+def _load(self, payload: str, buffer: int, layout: int, update: int) -> None:
+    self.gearshift_direct.load(payload, buffer, layout, update, loader_allowed=_in_session(self))
+
+
+def _sources(self, payload: str, update: int) -> None:
+    self.gearshift_direct.copy_sources(payload, update, loader_allowed=_in_session(self))
+
+
+def _release_sources(self) -> None:
+    direct = getattr(self, "gearshift_direct", None)
+    if direct is not None:
+        direct.release_sources()

@@ -74,6 +74,8 @@ class DirectLoad:
         self.buffer: torch.Tensor | None = None  # kept: a reused buffer is not opened again on each sync
         self.buffer_id = -1
         self.layouts: dict[int, Layout] = {}
+        #: the trainer's own tensors handed over (`sources`), kept between syncs, and where each lands
+        self.sources: Layout | None = None
         self.checked_update = -1
 
     # --- at start -----------------------------------------------------------------------
@@ -91,8 +93,13 @@ class DirectLoad:
             self.landing = _tied(spec, views, verified)
             self.owners = _owners(model, self.landing)
         # layouts already received stay known to the host: they are planned again for the new views
-        self.layouts = {k: Layout.of(v.named, self.landing) for k, v in self.layouts.items()}
+        self._replan()
         return {"landed": sorted(self.landing), "reason": reason}
+
+    def _replan(self) -> None:
+        self.layouts = {k: Layout.of(v.named, self.landing) for k, v in self.layouts.items()}
+        if self.sources is not None:
+            self.sources = Layout.of(self.sources.named, self.landing)
 
     def _refusal(self, model) -> str | None:
         """Why no weight may be written around SGLang's loader, or None."""
@@ -110,13 +117,32 @@ class DirectLoad:
     def load(self, payload: str, buffer: int, layout: int, update: int, loader_allowed: bool = True) -> None:
         """Load one bucket: `payload` (empty when this buffer and layout were received before) names them.
         Weights that did not land are refused unless `loader_allowed` (SGLang's loader may run now)."""
-        plan = self._plan(payload, buffer, layout, update)
+        self._apply(self._plan(payload, buffer, layout, update), loader_allowed)
+
+    def copy_sources(self, payload: str, update: int, loader_allowed: bool = True) -> None:
+        """Copy the trainer's tensors into SGLang's parameters: those of `payload` (SGLang's serialized
+        (name, tensor) list, kept from now on), or with an empty one those kept from before."""
+        if payload:
+            self.sources = None  # the old ones go first: a failure below leaves none
+            self.sources = Layout.of(_deserialize(payload), self.landing)
+        if self.sources is None:
+            raise RuntimeError("gearshift: no trainer tensors were handed to this scheduler")
+        if update != self.checked_update:
+            self.checked_update = update
+            self._check_views()
+        self._apply(self.sources, loader_allowed)
+
+    def release_sources(self) -> None:
+        self.sources = None
+
+    def _apply(self, plan: Layout, loader_allowed: bool) -> None:
         if plan.rest:  # first: a refusal by SGLang then leaves the whole bucket unapplied
             self._through_loader(plan.rest, loader_allowed)
         if plan.dsts:
             copy_weights_(plan.dsts, plan.srcs)
         if plan.named and plan.named[0][1].is_cuda:
-            # the host writes the next bucket into the same buffer as soon as this call returns
+            # the host writes the next bucket into the same buffer, or the trainer its next step into its
+            # tensors, as soon as this call returns
             torch.cuda.current_stream().synchronize()
 
     def _plan(self, payload: str, buffer: int, layout: int, update: int) -> Layout:
@@ -139,11 +165,7 @@ class DirectLoad:
             raise RuntimeError(message)
 
     def _receive(self, payload: str, buffer: int, layout: int) -> None:
-        from sglang.srt.utils import MultiprocessingSerializer
-        from sglang.srt.utils.patch_torch import monkey_patch_torch_reductions
-
-        monkey_patch_torch_reductions()  # as SGLang deserializes its own payloads (CUDA devices by uuid)
-        data = MultiprocessingSerializer.deserialize(payload)
+        data = _deserialize(payload)
         flat = data["flattened_tensor"]
         if buffer != self.buffer_id:  # a new buffer: the views of the old one go with it
             self.buffer, self.buffer_id, self.layouts = flat, buffer, {}
@@ -158,7 +180,15 @@ class DirectLoad:
             warnings.warn(f"gearshift: SGLang replaced {len(moved)} parameters that weights were written into "
                           f"directly; every weight goes through SGLang's loader from now on", RuntimeWarning)
             self.landing, self.owners = {}, []
-            self.layouts = {k: Layout.of(v.named, self.landing) for k, v in self.layouts.items()}
+            self._replan()
+
+
+def _deserialize(payload: str):
+    from sglang.srt.utils import MultiprocessingSerializer
+    from sglang.srt.utils.patch_torch import monkey_patch_torch_reductions
+
+    monkey_patch_torch_reductions()  # as SGLang deserializes its own payloads (CUDA devices by uuid)
+    return MultiprocessingSerializer.deserialize(payload)
 
 
 def _with_aliases(checkpoint, aliases):

@@ -47,7 +47,7 @@ from gearshift.weights import WeightBucket, WeightError, WeightSpec
 
 from .host import cache_environment, contained, default_cache_dir, guard_sigquit
 from .imports import cpu_environment, gpu_environment, importing_sglang
-from .weights import FlatBuckets
+from .weights import FlatBuckets, Sources
 
 INSTALL = "pip install 'gearshift-sglang[cpu]' && tools/install_sglang.sh (CPU), or 'gearshift-sglang[gpu]'"
 CPU_RELEASES_NOTHING = "CPU SGLang releases nothing: its memory saver needs CUDA"
@@ -92,6 +92,8 @@ class SGLangRolloutEngine(RolloutEngine):
     requires: ClassVar[tuple[str, ...]] = ("sglang",)
     install: ClassVar[str] = INSTALL
     contract: ClassVar[int] = 2
+    #: every path casts as it copies: into the flat buffer, and in the scheduler from the trainer's own tensors
+    casts_on_load = True
     conformance_xfail: ClassVar[dict[str, dict[str, str]]] = _conformance_xfail()
 
     @dataclass(frozen=True)
@@ -178,6 +180,8 @@ class SGLangRolloutEngine(RolloutEngine):
         if opts.load_group_bytes < 1:
             raise ValueError(f"load_group_bytes={opts.load_group_bytes} must be >= 1")
         self._flat = FlatBuckets(self.device, self.dtype, group_bytes=min(int(opts.load_group_bytes), whole))
+        #: the trainer's own tensors the scheduler holds and copies from at each sync (lent buckets, direct_load)
+        self._sources = Sources()
         self._updates = 0  # numbers each update for the scheduler (it checks its views once per update)
         self.direct_refusal: str | None = None
         #: the weights written straight into SGLang's parameters (None: direct_load is off)
@@ -280,11 +284,14 @@ class SGLangRolloutEngine(RolloutEngine):
         The prefix cache is flushed once, after the last bucket, however the update ends. With
         `direct_load`, the buckets are gathered in the flat buffer up to `load_group_bytes` and one call
         into the scheduler per group copies the weights that landed straight into SGLang's parameters and
-        hands the rest to its loader (direct.py); where every weight lands,
+        hands the rest to its loader (direct.py). Landed weights of lent buckets (the trainer's own
+        tensors, on this engine's device) skip the flat buffer: the scheduler copies them from the
+        trainer's tensors, which it holds between syncs, in one call at the end (`Sources`). Where every weight lands,
         no begin/end session is opened (it lets SGLang undo and redo its own packing of weights around
         its loader, and a weight it packs never lands).
         """
         loaded, applied = 0, 0
+        sources: dict[str, torch.Tensor] = {}  # the trainer's own tensors, copied from in the scheduler at the end
         with self._weight_update(session=self._sessions and not self._all_landed()):
             try:
                 for bucket in buckets:
@@ -292,11 +299,16 @@ class SGLangRolloutEngine(RolloutEngine):
                         tensors = self._spec.check(bucket.tensors, self.rank)
                     except WeightError as e:
                         applied += self._send_group(applied)  # the buckets before it stay applied
+                        applied += self._send_sources(sources, applied)
                         raise WeightError(f"{e} ({applied} weights from the buckets before it were applied)") from e
                     if tensors and self._landed is None:
                         self._load(tensors, applied)
                         applied += len(tensors)
-                    elif tensors:  # gathered into the open group, sent when it is full
+                        tensors = {}
+                    elif tensors and bucket.lent and self._readable(tensors):
+                        sources.update((n, t) for n, t in tensors.items() if n in self._landed)
+                        tensors = {n: t for n, t in tensors.items() if n not in self._landed}
+                    if tensors:  # gathered into the open group, sent when it is full
                         if not self._flat.add(tensors):
                             applied += self._send_group(applied)
                             self._flat.add(tensors)
@@ -305,9 +317,41 @@ class SGLangRolloutEngine(RolloutEngine):
                     loaded += bucket.nbytes
                     del tensors, bucket
                 applied += self._send_group(applied)
+                applied += self._send_sources(sources, applied)
             finally:
                 self._flat.drop_open()
         return loaded
+
+    def _readable(self, tensors: dict[str, torch.Tensor]) -> bool:
+        """Whether the scheduler can read these tensors where they are (on the engine's device)."""
+        return all(t.device == self.device and t.is_floating_point() for t in tensors.values())
+
+    def _send_sources(self, sources: dict[str, torch.Tensor], applied: int) -> int:
+        """Have the scheduler copy `sources` (trainer tensors) into its parameters, handing them over only when
+        they are not those it holds; the number of weights (0: none)."""
+        if not sources:
+            return 0
+        payload = "" if self._sources.known(sources) else self._sources.payload(sources)
+        if self.on_gpu:  # the trainer's last writes into them (its optimizer step) finish before the scheduler reads
+            torch.cuda.current_stream(self.device).synchronize()
+        try:
+            self._engine.collective_rpc("gearshift_sources", payload=payload, update=self._updates)
+        except AssertionError as e:  # SGLang's collective_rpc asserts its scheduler's answer
+            self._sources.release()  # not known there: handed over again next time
+            self._refused(False, str(e), applied)
+        if payload:
+            self._sources.handed_over()
+        return len(sources)
+
+    def release_sources(self) -> None:
+        """Drop the trainer's tensors the scheduler holds (before the trainer offloads its parameters)."""
+        if not self._sources.held or self._engine is None:
+            return
+        self._sources.release()
+        with self._calling_sglang():
+            self._engine.collective_rpc("gearshift_release_sources")
+        if self.on_gpu:
+            torch.cuda.ipc_collect()  # blocks the scheduler mapped are freed now, not when the allocator next looks
 
     def _send_group(self, applied: int) -> int:
         """Send the open group of buckets to the scheduler; the number of weights in it (0: none was open)."""
@@ -324,7 +368,9 @@ class SGLangRolloutEngine(RolloutEngine):
             return "flattened buckets through SGLang's update_weights_from_tensor (direct_load off)"
         total = len(self._spec.names())
         said = (f"direct: {len(self._landed & set(self._spec.names()))} of {total} weights written into the "
-                f"scheduler's parameters, in groups of up to {self._flat.group_bytes / 1e6:.0f} MB")
+                f"scheduler's parameters, copied from the trainer's own tensors where it lends them (the scheduler "
+                f"holds them between syncs), else from a flat buffer in groups of up to "
+                f"{self._flat.group_bytes / 1e6:.0f} MB")
         return said + (f"; the rest through SGLang's loader ({self.direct_refusal})" if self.direct_refusal else "")
 
     def _all_landed(self) -> bool:
@@ -454,6 +500,9 @@ class SGLangRolloutEngine(RolloutEngine):
         with contained(self._env, self._tmp, self._loop_policy):
             engine.shutdown()
         self._flat.release()
+        self._sources.release()
+        if self.on_gpu:
+            torch.cuda.ipc_collect()
 
 
 #: the engines of this process, running or closed (see host.guard_sigquit)

@@ -175,3 +175,49 @@ class FlatBuckets:
 
 def _aligned(offset: int, itemsize: int) -> int:
     return -(-offset // itemsize) * itemsize
+
+
+class Sources:
+    """The trainer's own tensors (`WeightBucket.lent`) that SGLang's scheduler copies from at each sync.
+
+    The first sync hands the scheduler every landed weight's tensor (CUDA IPC on a GPU; on a CPU the
+    storages move into shared memory, in place, on the way) and it keeps them; a later sync whose
+    tensors are the same storages at the same places sends no tensor at all, and the scheduler copies
+    from what it holds, all weights in one batched copy: the bytes cross once and no buffer sits between.
+    Any change (a parameter the trainer made anew, another set of weights) hands them over again.
+
+    This side keeps the tensors too, so no storage the scheduler reads is freed and its address given
+    to another tensor while the scheduler still maps the old one; `release` drops them on both sides.
+    """
+
+    def __init__(self) -> None:
+        self.held: dict[str, torch.Tensor] = {}
+        self._key: tuple | None = None
+        #: how often the tensors were handed over (a benchmark or test reads it)
+        self.handed = 0
+
+    @staticmethod
+    def key(tensors: dict[str, torch.Tensor]) -> tuple:
+        """Where each tensor lies: its storage, offset, shape, strides and dtype."""
+        return tuple((n, t.untyped_storage().data_ptr(), t.data_ptr(), t.dtype, tuple(t.shape), t.stride())
+                     for n, t in tensors.items())
+
+    def known(self, tensors: dict[str, torch.Tensor]) -> bool:
+        """Whether the scheduler holds exactly these tensors."""
+        return self._key is not None and self._key == self.key(tensors)
+
+    def payload(self, tensors: dict[str, torch.Tensor]) -> str:
+        """SGLang's serialized form of `tensors` (storages shared, never copied); they are held from now on."""
+        from sglang.srt.utils import MultiprocessingSerializer
+
+        with torch.no_grad():
+            payload = MultiprocessingSerializer.serialize(list(tensors.items()), output_str=True)
+        self.held, self._key = dict(tensors), None  # marked known once the scheduler has them (`handed_over`)
+        return payload
+
+    def handed_over(self) -> None:
+        self._key = self.key(self.held)  # after: a CPU storage moved into shared memory as it was serialized
+        self.handed += 1
+
+    def release(self) -> None:
+        self.held, self._key = {}, None

@@ -145,7 +145,7 @@ class HybridActor:
         self._offloaded_bytes = 0
         if before:
             with timer.phase("offload") as ph:
-                ph.bytes = self._offloaded_bytes = self.train.offload(before)
+                ph.bytes = self._offloaded_bytes = self._offload(before)
         if self.on_gpu and not self.rollout_awake:
             # what training freed (offloaded state, activations) sits in torch's cache, which an engine with an
             # allocator of its own cannot use: give it back to the driver before the rollout engine maps memory
@@ -154,7 +154,7 @@ class HybridActor:
             more = self._make_room(timer.report, before) if self.auto else ()
             if more:
                 with timer.phase("offload_more") as ph:
-                    ph.bytes = self.train.offload(more)
+                    ph.bytes = self._offload(more)
                     self._offloaded_bytes += ph.bytes
                     ph.bytes += release_cached(self.train.device)
                 before += more
@@ -165,7 +165,7 @@ class HybridActor:
         self.resharder.sync(self.plan, self.train, self.rollout, timer)
         if after:
             with timer.phase("offload_params") as ph:
-                ph.bytes = self.train.offload(after)
+                ph.bytes = self._offload(after)
                 self._offloaded_bytes += ph.bytes
                 if self.on_gpu and not self.rollout_awake:
                     release_cached(self.train.device)
@@ -177,6 +177,12 @@ class HybridActor:
         self.mode = "rollout"
         self.reports.append(timer.report)
         return timer.report
+
+    def _offload(self, tags) -> int:
+        """Offload the trainer's `tags`; a rollout engine holding its parameters lets go of them first."""
+        if "params" in tags:
+            self.rollout.release_sources()  # else the memory the offload frees stays mapped by the engine
+        return self.train.offload(tags)
 
     def to_train(self) -> SwitchReport:
         """Release the rollout engine's memory and bring the training state back."""

@@ -198,6 +198,14 @@ class RolloutEngine(Buildable, ABC):
         """
         raise NotImplementedError(f"{type(self).__name__} cannot serve from another engine's tensors")
 
+    def release_sources(self) -> None:
+        """Let go of any trainer tensor kept from `update_weights` for the next sync (`WeightBucket.lent`).
+
+        The actor calls it before the trainer offloads its parameters: memory the engine still maps
+        (CUDA IPC, shared memory) would not be freed. The next update hands the tensors in again.
+        Engines that keep none need not override it.
+        """
+
     def load_adapter(self, adapter: Adapter) -> int:
         """Serve `adapter` on top of the model the engine was built from; returns the bytes of its tensors.
 

@@ -185,10 +185,18 @@ class WeightSpec:
 
 @dataclass
 class WeightBucket:
-    """A group of weights streamed together: name -> this rank's tensor in the receiver's layout."""
+    """A group of weights streamed together: name -> this rank's tensor in the receiver's layout.
+
+    `lent`: every tensor is the train engine's own storage (no copy, no cast, no gather), which
+    keeps its place between syncs: written in place by each optimizer step, moved only when the
+    trainer offloads its parameters, before which the actor calls the rollout engine's
+    `release_sources`. A rollout engine may keep a hold on such tensors from one sync to the next
+    and read them again at the next (SGLang's scheduler does, through CUDA IPC or shared memory).
+    """
 
     tensors: dict[str, torch.Tensor] = field(default_factory=dict)
     index: int = 0
+    lent: bool = False
 
     @property
     def nbytes(self) -> int:

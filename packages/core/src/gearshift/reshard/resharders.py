@@ -114,7 +114,7 @@ class StreamingResharder(Resharder):
     def sync(self, plan, train, rollout, timer=None) -> SwitchReport:
         timer = timer or PhaseTimer(train.device, "to_rollout")
         stream = _TimedIterator(stream_plan(plan, train.local_weights, cast=not rollout.casts_on_load,
-                                            materialized=train.materialized))
+                                            materialized=train.materialized, lent=lends(train)))
         with timer.phase("sync") as total:
             if plan.share:
                 rollout.share_weights(stream)
@@ -127,6 +127,11 @@ class StreamingResharder(Resharder):
         else:  # the bytes moved are those that land in the rollout engine, in its dtype: counted once, on load
             timer.add("load", max(total.seconds - stream.seconds, 0.0), plan.bytes_received(gdist.rank()))
         return timer.report
+
+
+def lends(train: "TrainEngine") -> bool:
+    """Whether `train.local_weights` returns the engine's own tensors, which keep their place between syncs."""
+    return bool(train.can_lend_weights) and not getattr(train, "lora_rank", 0)
 
 
 class NaiveResharder(Resharder):

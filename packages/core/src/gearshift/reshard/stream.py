@@ -22,6 +22,7 @@ def stream_plan(
     cast: bool = True,
     materialized: Callable[[list[str]], AbstractContextManager] | None = None,
     device: torch.device | str | None = None,
+    lent: bool = False,
 ) -> Iterator[WeightBucket]:
     """Yield this rank's weights in the rollout layout, bucket by bucket, running the plan's copies.
 
@@ -39,6 +40,10 @@ def stream_plan(
     the `Link` given as `group`: a train rank passes `local_weights` and gets empty buckets (it
     only sends: iterate them to drive the sends), a rollout rank passes None and gets its
     tensors, on `device` (default: the CPU).
+
+    `lent`: `local_weights` returns the train engine's own tensors, which keep their place between
+    syncs (`TrainEngine.can_lend_weights`, no LoRA merge); a bucket passed on as those tensors
+    themselves, nothing cut or cast, is marked `WeightBucket.lent`.
     """
     rank = gdist.rank() if rank is None else rank
     sends = plan.src.mesh_rank(rank) is not None
@@ -58,8 +63,11 @@ def stream_plan(
         with materialized(sources):
             by_source = local_weights(sources)
             local = {name: by_source[src] for name, src in zip(bucket.names, sources)}
-            yield _assemble(plan, bucket, local, rank, group, cast, tag, device)
-            by_source = local = None  # a gathered bucket (ZeRO-3) must not outlive its gather
+            bucket_out = _assemble(plan, bucket, local, rank, group, cast, tag, device)
+            if lent and bucket_out.tensors and all(bucket_out.tensors[n] is local[n] for n in bucket_out.tensors):
+                bucket_out.lent = True
+            yield bucket_out
+            by_source = local = bucket_out = None  # a gathered bucket (ZeRO-3) must not outlive its gather
 
 
 def _assemble(plan, bucket, local, rank, group, cast, tag, device=None) -> WeightBucket:
