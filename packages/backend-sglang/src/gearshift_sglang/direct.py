@@ -127,9 +127,7 @@ class DirectLoad:
             self.sources = Layout.of(_deserialize(payload), self.landing)
         if self.sources is None:
             raise RuntimeError("gearshift: no trainer tensors were handed to this scheduler")
-        if update != self.checked_update:
-            self.checked_update = update
-            self._check_views()
+        self._check_once(update)
         self._apply(self.sources, loader_allowed)
 
     def release_sources(self) -> None:
@@ -151,10 +149,14 @@ class DirectLoad:
         if buffer != self.buffer_id or layout not in self.layouts:
             raise RuntimeError(f"gearshift: layout {layout} of buffer {buffer} was never received by this scheduler "
                                f"(it holds buffer {self.buffer_id})")
-        if update != self.checked_update:  # once per update: the views are still SGLang's parameters
+        self._check_once(update)
+        return self.layouts[layout]
+
+    def _check_once(self, update: int) -> None:
+        """Once per update: the views are still SGLang's parameters (`_check_views`)."""
+        if update != self.checked_update:
             self.checked_update = update
             self._check_views()
-        return self.layouts[layout]
 
     def _through_loader(self, named: list[tuple[str, torch.Tensor]], allowed: bool) -> None:
         if not allowed:

@@ -131,7 +131,7 @@ class StreamingResharder(Resharder):
 
 def lends(train: "TrainEngine") -> bool:
     """Whether `train.local_weights` returns the engine's own tensors, which keep their place between syncs."""
-    return bool(train.can_lend_weights) and not getattr(train, "lora_rank", 0)
+    return bool(train.can_lend_weights) and not train.lora_rank
 
 
 class NaiveResharder(Resharder):
