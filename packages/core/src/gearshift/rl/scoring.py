@@ -44,7 +44,8 @@ class Scorer:
             from .rewards import RewardError
 
             raise RewardError(f"{getattr(row, 'origin', '') or 'a row'}: its episode's environment gave no reward "
-                              f"and no reward.fn is set to score it")
+                              "and no reward.fn is set to score it: have Environment.step return a reward on every "
+                              "turn (the turn and token limits can end an episode after any), or set reward.fn")
         return self.reward_fn(x.text, **{k: v for k, v in row.items() if k != "prompt_ids"})
 
     def score(self, rollouts: list[Rollout], rows: list[dict],
