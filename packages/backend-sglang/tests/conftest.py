@@ -52,7 +52,7 @@ def host_before_engine() -> dict:
             "policy": type(asyncio.get_event_loop_policy()), "home_cache": (Path.home() / ".cache" / "sglang")}
 
 
-@pytest.fixture(scope="package")  # closed after this package's last test: its scheduler polls a core while it lives
+@pytest.fixture(scope="session")
 def sglang_engine(gearshift_model, sglang_cache_dir, kernel_trace, host_before_engine):
     from gearshift_sglang import SGLangRolloutEngine
 
