@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 
 from gearshift import Trainer
+from gearshift.rl.rewards import RewardError
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 FAST = {"checkpoint_every": 0, "progress": False, "samples_per_step": 0, "tensorboard": False, "plot": False,
@@ -62,7 +63,7 @@ def test_an_episode_nobody_scores_stops_the_run_naming_the_row_and_the_fix(readm
         "class Silent(Environment):\n"
         "    def reset(self, row):\n        pass\n\n"
         "    def step(self, text):\n        return ' go on ', False, None\n")
-    with pytest.raises(Exception, match=r"train\.jsonl:\d+: its episode's environment gave no reward.*reward\.fn"):
+    with pytest.raises(RewardError, match=r"train\.jsonl:\d+: its episode's environment gave no reward.*reward\.fn"):
         Trainer(model=gearshift_model, dataset=str(readme_files / "train.jsonl"),
                 agent={"environment": f"{readme_files}/silent.py:Silent", "max_turns": 2, "max_tokens": 16},
                 rollout={"backend": "hf", "n": 2, "max_tokens": 3}, train={"backend": "torch"},
