@@ -252,6 +252,20 @@ class Controller:
             self.plot_path = self.out / "reward.png"
         return history
 
+    def close(self) -> None:
+        """Release every engine the run built (the rollout engine first), each once.
+
+        Engines release GPU memory and their own process groups here, while the
+        process group of one the engines share still exists: left to the
+        interpreter's exit, an engine's finalizer can run after that group is gone.
+        """
+        engines = [self.actor.rollout, self.policy, self.reference, self.critic, self.scorer.reward_model]
+        closed: set[int] = set()
+        for engine in engines:
+            if engine is not None and id(engine) not in closed:
+                closed.add(id(engine))
+                engine.close()
+
     def export(self, path: str | Path) -> None:
         """Write the policy as a Hugging Face folder (loads with transformers and vLLM)."""
         self.policy.save_hf(str(path))

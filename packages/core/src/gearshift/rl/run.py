@@ -61,6 +61,12 @@ class Trainer:
         self.controller = Controller(self.config, reward_fn=self._reward, dataset=self._dataset, **extra)
         return self.controller.fit()
 
+    def close(self) -> None:
+        """Release the engines of the last `train()` (GPU memory, engine processes); `save` is no longer possible."""
+        if self.controller is not None:
+            self.controller.close()
+            self.controller = None
+
     def save(self, path: str) -> None:
         """Write the trained policy as a Hugging Face folder."""
         if self.controller is None:
@@ -131,4 +137,5 @@ def train_command(args: argparse.Namespace) -> int:
         trainer.save(args.export)
         if controller.rank == 0:
             print(f"policy written to {args.export}")
+    trainer.close()
     return 0
