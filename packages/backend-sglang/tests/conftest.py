@@ -56,8 +56,10 @@ def host_before_engine() -> dict:
 def sglang_engine(gearshift_model, sglang_cache_dir, kernel_trace, host_before_engine):
     from gearshift_sglang import SGLangRolloutEngine
 
+    # sleep_on_idle: the engine lives to the session's end, and a scheduler polling its sockets would keep one
+    # of CI's two cores busy through every later package's tests
     engine = SGLangRolloutEngine.build(gearshift_model, cache_dir=str(sglang_cache_dir),
-                                       kv_cache_bytes=KV_CACHE_BYTES)
+                                       kv_cache_bytes=KV_CACHE_BYTES, sleep_on_idle=True)
     yield engine
     engine.close()
 
