@@ -26,6 +26,7 @@ SGLang is imported only when an engine is built, so this package imports (and
 from __future__ import annotations
 
 import asyncio
+import atexit
 import json
 import pickle
 import random
@@ -45,7 +46,8 @@ from gearshift.rollout import (ROLLOUT_TAGS, Rollout, RolloutArgs, RolloutEngine
                                kv_tokens_for_batch)
 from gearshift.weights import WeightBucket, WeightError, WeightSpec
 
-from .host import cache_environment, contained, default_cache_dir, guard_sigquit
+from .host import (cache_environment, contained, default_cache_dir, drop_channels, ending_only, guard_sigquit,
+                   started_processes)
 from .imports import cpu_environment, gpu_environment, importing_sglang
 from .weights import FlatBuckets, Sources
 
@@ -165,7 +167,11 @@ class SGLangRolloutEngine(RolloutEngine):
 
             self._loop_policy = asyncio.get_event_loop_policy()  # SGLang's (uvloop), set when it was imported
             self._sessions = weight_update_sessions(Engine)
-            self._engine = GearshiftEngine(**kwargs)
+            with started_processes() as self._processes:
+                self._engine = GearshiftEngine(**kwargs)
+            # SGLang shuts an engine down at exit by killing every child of the host; this engine ends its own
+            atexit.unregister(self._engine.shutdown)
+            atexit.register(self.close)
             self._engine.collective_rpc("gearshift_freeze_gc")  # see children.py: cache flushes walk less
         _LIVE.add(self)
         guard_sigquit(_any_running)
@@ -497,8 +503,10 @@ class SGLangRolloutEngine(RolloutEngine):
         engine, self._engine = getattr(self, "_engine", None), None
         if engine is None:
             return
-        with contained(self._env, self._tmp, self._loop_policy):
+        atexit.unregister(self.close)
+        with contained(self._env, self._tmp, self._loop_policy), ending_only(self._processes):
             engine.shutdown()
+            drop_channels(engine)
         self._flat.release()
         self._sources.release()
         if self.on_gpu:

@@ -95,6 +95,100 @@ def cache_environment(root: str | os.PathLike) -> dict[str, str]:
     }
 
 
+def _children() -> dict[int, "psutil.Process"]:
+    import psutil
+
+    try:
+        return {c.pid: c for c in psutil.Process().children(recursive=True)}
+    except psutil.NoSuchProcess:
+        return {}
+
+
+def _shared_helpers() -> set[int]:
+    """multiprocessing's resource tracker and forkserver: started by whoever needs them first, used by all."""
+    from multiprocessing import forkserver, resource_tracker
+
+    pids = {getattr(resource_tracker._resource_tracker, "_pid", None),
+            getattr(forkserver._forkserver, "_forkserver_pid", None)}
+    return {p for p in pids if p}
+
+
+@contextmanager
+def started_processes() -> Iterator[list]:
+    """The processes a block starts (with their children), to end with `end_processes` and no others.
+
+    SGLang's `Engine.shutdown` kills every child of the host process (`kill_process_tree(os.getpid())`):
+    a trainer's data workers, a Ray cluster it started, another engine. The engine records what its own start
+    added and ends only that."""
+    before = set(_children())
+    started: list = []
+    try:
+        yield started
+    finally:
+        shared = _shared_helpers()
+        started.extend(p for pid, p in _children().items() if pid not in before and pid not in shared)
+
+
+def end_processes(processes: list, timeout_s: float = 60.0) -> None:
+    """Kill `processes` and whatever they started since, and wait until each is gone."""
+    import psutil
+
+    doomed = {}
+    for proc in processes:
+        try:
+            if proc.is_running():
+                doomed[proc.pid] = proc
+                doomed.update((c.pid, c) for c in proc.children(recursive=True))
+        except psutil.NoSuchProcess:
+            pass
+    for proc in doomed.values():
+        try:
+            proc.kill()
+        except psutil.NoSuchProcess:
+            pass
+    _, alive = psutil.wait_procs(list(doomed.values()), timeout=timeout_s)
+    if alive:
+        raise RuntimeError(f"SGLang's processes {[p.pid for p in alive]} outlived SIGKILL for {timeout_s:.0f} s")
+
+
+@contextmanager
+def ending_only(processes: list) -> Iterator[None]:
+    """Inside the block, SGLang's `kill_process_tree` of the host ends `processes` alone."""
+    import sglang.srt.entrypoints.engine as sglang_engine
+
+    own = sglang_engine.kill_process_tree
+
+    def scoped(parent_pid, include_parent=True, skip_pid=None, wait_timeout=60):
+        import os
+
+        if parent_pid not in (None, os.getpid()) or include_parent:
+            return own(parent_pid, include_parent=include_parent, skip_pid=skip_pid, wait_timeout=wait_timeout)
+        end_processes(processes, wait_timeout or 60.0)
+
+    sglang_engine.kill_process_tree = scoped
+    try:
+        yield
+    finally:
+        sglang_engine.kill_process_tree = own
+
+
+def drop_channels(engine) -> None:
+    """After `Engine.shutdown`: cancel the tokenizer manager's tasks and close its sockets at once.
+
+    Left to the garbage collector, pyzmq's context closes them with the default linger and then waits, forever,
+    for messages to reach a scheduler that is gone: the host hung at its next collection."""
+    manager = getattr(engine, "tokenizer_manager", None)
+    tasks = [t for t in getattr(manager, "asyncio_tasks", ()) if not t.done()]
+    for task in tasks:  # cancelled, not failed: a failed task's wrapper would end the host's process tree
+        task.cancel()
+    if tasks:
+        engine.loop.run_until_complete(asyncio.gather(*tasks, return_exceptions=True))
+    for name in ("recv_from_detokenizer", "send_to_scheduler"):
+        sock = getattr(manager, name, None)
+        if sock is not None and not sock.context.closed:
+            sock.context.destroy(linger=0)
+
+
 @contextmanager
 def contained(env: dict[str, str], tmp: str | os.PathLike | None = None,
               loop_policy: asyncio.AbstractEventLoopPolicy | None = None) -> Iterator[HostState]:
@@ -105,4 +199,4 @@ def contained(env: dict[str, str], tmp: str | os.PathLike | None = None,
 
 
 __all__ = ["HostState", "MAX_SOCKET_DIR", "OWN_PREFIX", "cache_environment", "contained", "default_cache_dir",
-           "guard_sigquit", "temp_dir"]
+           "drop_channels", "end_processes", "ending_only", "guard_sigquit", "started_processes", "temp_dir"]
