@@ -489,3 +489,27 @@ def test_zero3_stash_is_sized_before_the_first_step_and_kept_across_switches(gea
         engine.onload()
     assert all(offloader._stashes[t] is stashes[t] for t in stashes)  # one host buffer a tag, every switch
     engine.close()
+
+
+def test_reserving_runs_deepspeeds_own_move_once_so_its_pinned_buffers_exist_before_the_first_switch(
+        gearshift_model, monkeypatch):
+    """DeepSpeed pins the host buffers of the states it moves (ZeRO-3's gradient partitions) at its first
+    `offload_states`: `reserve_host` runs that round trip at start, and the state comes back as it was."""
+    engine = build(gearshift_model, zero_stage=3)
+    engine.train_step(fixed_batch(), nll)
+    def state():
+        optimizer = engine.ds.optimizer
+        return ([t.detach().clone() for t in optimizer.fp32_partitioned_groups_flat]
+                + [p.ds_tensor.detach().clone() for p in engine.trained.values()])
+
+    before = state()
+    moves = []
+    own = engine.ds.offload_states
+    monkeypatch.setattr(engine.ds, "offload_states", lambda include, **kw: (moves.append(
+        sorted(str(k.value) for k in include)), own(include=include, **kw))[1])
+    engine.reserve_host(["optimizer", "grads"])
+    assert moves == [["contiguous_grad_buffer", "lp_grads"]]  # torch's AdamW: the stash takes the optimizer's
+    assert engine.offloaded() == []
+    assert all(torch.equal(a, b) for a, b in zip(state(), before, strict=True))
+    engine.train_step(fixed_batch(), nll)  # and training goes on
+    engine.close()

@@ -15,8 +15,9 @@ state only for its FusedAdam; nothing moves while it offloads parameters itself)
 the tensors behind it go to a `HostStash` instead: storages copied out and freed
 in place, so the optimizer keeps the same tensor objects. Each tag keeps its
 stash, and so its host buffer (pinned on a GPU), for every later offload; `reserve`
-allocates it at start, so the first switch copies as fast as the next (DeepSpeed keeps
-the pinned buffers of what it moves itself from its first offload on). Frozen weights (LoRA's
+allocates it at start, so the first switch copies as fast as the next. DeepSpeed pins the
+buffers of what it moves itself at its first offload and keeps them: `reserve` runs one
+round trip of those kinds at start for the same reason. Frozen weights (LoRA's
 base) lie outside ZeRO-1/2's flat groups, so the stash takes them with `params`;
 at ZeRO-3 DeepSpeed's move of `lp_params` breaks on them (it maps every
 parameter's partition into a buffer that holds only the trainable ones), so the
@@ -106,6 +107,12 @@ class ZeroOffloader:
             sizes = self.stash_sizes(tag)
             if sizes and tag not in self._away:
                 self._stashes[tag].reserve(HostStash.room_for(sizes))
+        moved = [k for t in tags for k in TAG_STATES[t] if self._deepspeed_moves(k)]
+        if moved and not self._away:
+            # DeepSpeed allocates and pins the host buffers of what it moves at its first `offload_states` and
+            # keeps them: one round trip now makes that a cost of the start, not of the first switch
+            self._offload_states(moved)
+            self.engine.reload_states()
         return sum(s.host_bytes for s in self._stashes.values())
 
     def close(self) -> None:
