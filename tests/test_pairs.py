@@ -11,8 +11,10 @@ from gearshift import registry
 PAIRS = [("torch", "hf"), ("fsdp", "hf"), ("torch", "vllm"), ("fsdp", "vllm"), ("deepspeed", "hf"),
          ("fsdp", "sglang")]
 #: 50-120 s a pair on 2 cores; torch + hf also runs in CI's first command (`gearshift conformance --train torch
-#: --rollout hf`), and each backend's own package suite pairs it with another engine
-SLOW = {("torch", "hf"), ("fsdp", "hf"), ("torch", "vllm")}
+#: --rollout hf`), each backend's own package suite pairs it with another engine (sglang's with fsdp), and
+#: tests/test_architectures.py runs fsdp + vllm through this command with Phi-3; deepspeed + hf stays in the
+#: fast set: this command with a backend package's trainer
+SLOW = {("torch", "hf"), ("fsdp", "hf"), ("torch", "vllm"), ("fsdp", "vllm"), ("fsdp", "sglang")}
 
 
 def _ready(kind: str, name: str) -> bool:
