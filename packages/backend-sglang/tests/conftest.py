@@ -53,13 +53,18 @@ def host_before_engine() -> dict:
 
 
 @pytest.fixture(scope="session")
-def sglang_engine(gearshift_model, sglang_cache_dir, kernel_trace, host_before_engine):
+def sglang_options(sglang_cache_dir) -> dict:
+    """The options every engine of these tests is built with. sleep_on_idle: the session's engine lives to the
+    session's end, and a scheduler polling its sockets would keep one of CI's two cores busy through every later
+    package's tests."""
+    return {"cache_dir": str(sglang_cache_dir), "kv_cache_bytes": KV_CACHE_BYTES, "sleep_on_idle": True}
+
+
+@pytest.fixture(scope="session")
+def sglang_engine(gearshift_model, sglang_options, kernel_trace, host_before_engine):
     from gearshift_sglang import SGLangRolloutEngine
 
-    # sleep_on_idle: the engine lives to the session's end, and a scheduler polling its sockets would keep one
-    # of CI's two cores busy through every later package's tests
-    engine = SGLangRolloutEngine.build(gearshift_model, cache_dir=str(sglang_cache_dir),
-                                       kv_cache_bytes=KV_CACHE_BYTES, sleep_on_idle=True)
+    engine = SGLangRolloutEngine.build(gearshift_model, **sglang_options)
     yield engine
     engine.close()
 

@@ -10,17 +10,14 @@ import psutil
 
 from gearshift.rollout import SamplingParams
 
-KV_CACHE_BYTES = 32 << 20  # as the session's engine (conftest.py)
-
 
 def test_closing_an_engine_ends_its_own_processes_and_no_other(serving_model_weights, gearshift_model,
-                                                               sglang_cache_dir):
+                                                               sglang_options):
     from gearshift_sglang import SGLangRolloutEngine
 
     before = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"])
     try:
-        engine = SGLangRolloutEngine.build(gearshift_model, cache_dir=str(sglang_cache_dir),
-                                           kv_cache_bytes=KV_CACHE_BYTES, sleep_on_idle=True)
+        engine = SGLangRolloutEngine.build(gearshift_model, **sglang_options)
         after = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"])
         own = list(engine._processes)
         assert own, "the engine's start added no process"

@@ -159,8 +159,6 @@ def ending_only(processes: list) -> Iterator[None]:
     own = sglang_engine.kill_process_tree
 
     def scoped(parent_pid, include_parent=True, skip_pid=None, wait_timeout=60):
-        import os
-
         if parent_pid not in (None, os.getpid()) or include_parent:
             return own(parent_pid, include_parent=include_parent, skip_pid=skip_pid, wait_timeout=wait_timeout)
         end_processes(processes, wait_timeout or 60.0)
