@@ -253,17 +253,14 @@ class Controller:
         return history
 
     def close(self) -> None:
-        """Release every engine the run built (the rollout engine first), each once.
+        """Release every engine the run built (the rollout engine first).
 
         Engines release GPU memory and their own process groups here, while the
         process group of one the engines share still exists: left to the
         interpreter's exit, an engine's finalizer can run after that group is gone.
         """
-        engines = [self.actor.rollout, self.policy, self.reference, self.critic, self.scorer.reward_model]
-        closed: set[int] = set()
-        for engine in engines:
-            if engine is not None and id(engine) not in closed:
-                closed.add(id(engine))
+        for engine in (self.actor.rollout, self.policy, self.reference, self.critic, self.scorer.reward_model):
+            if engine is not None:
                 engine.close()
 
     def export(self, path: str | Path) -> None:
