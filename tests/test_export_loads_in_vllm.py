@@ -11,7 +11,7 @@ from gearshift import Trainer, registry
 
 
 def test_exported_policy_loads_in_vllm(gearshift_model, tmp_path):
-    if not any(b.name == "vllm" and b.ready for b in registry.list_backends("rollout")):
+    if not registry.ready("rollout", "vllm"):
         if os.environ.get("CI"):
             pytest.fail("gearshift-vllm not installed: tools/install.sh installs it")
         pytest.skip("gearshift-vllm not installed")

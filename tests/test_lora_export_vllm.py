@@ -17,7 +17,7 @@ from gearshift.train import TrainBatch
 @pytest.mark.slow  # ~90 s; the adapter sync below and test_export_loads_in_vllm.py stay in the fast set
 def test_merged_lora_export_loads_in_vllm_and_agrees_with_training(gearshift_model, tmp_path):
     pytest.importorskip("peft")
-    if not any(b.name == "vllm" and b.ready for b in registry.list_backends("rollout")):
+    if not registry.ready("rollout", "vllm"):
         if os.environ.get("CI"):
             pytest.fail("gearshift-vllm not installed: tools/install.sh installs it")
         pytest.skip("gearshift-vllm not installed")
@@ -53,7 +53,7 @@ def test_grpo_with_the_adapter_sync_serves_the_trained_policy_from_vllm(gearshif
     pytest.importorskip("peft")
     if torch.cuda.is_available():  # fp32 here; tools/gpu/lora_h200.sh runs it in bf16 on a GPU
         pytest.skip("vLLM's GPU LoRA kernels take half precision only")
-    if not any(b.name == "vllm" and b.ready for b in registry.list_backends("rollout")):
+    if not registry.ready("rollout", "vllm"):
         if os.environ.get("CI"):
             pytest.fail("gearshift-vllm not installed: tools/install.sh installs it")
         pytest.skip("gearshift-vllm not installed")

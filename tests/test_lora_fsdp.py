@@ -25,7 +25,7 @@ def _free_port() -> int:
 @pytest.mark.slow  # two ranks of LoRA on FSDP: ~140 s on 2 cores; one rank's LoRA runs in the fast set
 def test_lora_on_fsdp_with_two_ranks(tmp_path):
     pytest.importorskip("peft")
-    if not any(b.name == "fsdp" and b.ready for b in registry.list_backends("train")):
+    if not registry.ready("train", "fsdp"):
         pytest.skip("gearshift-fsdp not installed")
     env = {**os.environ, "OMP_NUM_THREADS": "1", "GEARSHIFT_DIST_TIMEOUT": "120",
            "GEARSHIFT_FSDP_OPTIONS": json.dumps(LORA)}

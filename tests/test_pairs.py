@@ -17,14 +17,11 @@ PAIRS = [("torch", "hf"), ("fsdp", "hf"), ("torch", "vllm"), ("fsdp", "vllm"), (
 SLOW = {("torch", "hf"), ("fsdp", "hf"), ("torch", "vllm"), ("fsdp", "vllm"), ("fsdp", "sglang")}
 
 
-def _ready(kind: str, name: str) -> bool:
-    return any(b.name == name and b.ready for b in registry.list_backends(kind))
-
 
 @pytest.mark.parametrize("train,rollout", [
     pytest.param(t, r, id=f"{t}-{r}", marks=[pytest.mark.slow] if (t, r) in SLOW else []) for t, r in PAIRS])
 def test_conformance_of_pair(train, rollout, tmp_path):
-    missing = [f"{k} {n}" for k, n in (("train", train), ("rollout", rollout)) if not _ready(k, n)]
+    missing = [f"{k} {n}" for k, n in (("train", train), ("rollout", rollout)) if not registry.ready(k, n)]
     if missing and os.environ.get("CI"):
         pytest.fail(f"{', '.join(missing)} not installed: tools/install.sh installs every in-tree backend")
     if missing:

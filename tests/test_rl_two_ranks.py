@@ -19,7 +19,7 @@ def _free_port() -> int:
 
 
 def test_grpo_on_two_ranks(gearshift_model, tmp_path):
-    if not any(b.name == "fsdp" and b.ready for b in registry.list_backends("train")):
+    if not registry.ready("train", "fsdp"):
         pytest.skip("gearshift-fsdp not installed")
     out = tmp_path / "run"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(_free_port()),
@@ -37,7 +37,7 @@ def test_grpo_on_two_ranks(gearshift_model, tmp_path):
 
 
 def test_a_rank_whose_samples_are_all_dropped_does_not_hang_the_others(gearshift_model, tmp_path):
-    if not any(b.name == "fsdp" and b.ready for b in registry.list_backends("train")):
+    if not registry.ready("train", "fsdp"):
         pytest.skip("gearshift-fsdp not installed")
     reward = tmp_path / "drop_on_rank1.py"
     reward.write_text("import os\n\ndef score(completion, **row):\n"
@@ -64,7 +64,7 @@ def test_a_rank_whose_samples_are_all_dropped_does_not_hang_the_others(gearshift
     pytest.param(("train.mesh=dp=2", "rollout.mesh=tp=2"), id="train.mesh=dp=2 rollout.mesh=tp=2")])
 def test_grpo_with_tensor_and_sequence_parallelism(layout, tmp_path):
     """tp and sp peers get the same prompts and samples; a tp rollout engine's ranks generate together."""
-    if not any(b.name == "fsdp" and b.ready for b in registry.list_backends("train")):
+    if not registry.ready("train", "fsdp"):
         pytest.skip("gearshift-fsdp not installed")
     out = tmp_path / "run"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(_free_port()),

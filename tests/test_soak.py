@@ -17,13 +17,10 @@ def rss_bytes() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
-def _ready(kind, name):
-    return any(b.name == name and b.ready for b in registry.list_backends(kind))
-
 
 @pytest.mark.parametrize("train,rollout", PAIRS, ids=[f"{t}-{r}" for t, r in PAIRS])
 def test_switches_do_not_leak_or_drift(train, rollout, gearshift_model, request):
-    if not (_ready("train", train) and _ready("rollout", rollout)):
+    if not (registry.ready("train", train) and registry.ready("rollout", rollout)):
         if os.environ.get("CI"):
             pytest.fail(f"{train}/{rollout} not installed: tools/install.sh installs every in-tree backend")
         pytest.skip(f"{train}/{rollout} not installed")

@@ -13,7 +13,7 @@ from gearshift.rl.metrics import read_jsonl
 
 
 def _ready(kind, name):
-    if not any(b.name == name and b.ready for b in registry.list_backends(kind)):
+    if not registry.ready(kind, name):
         pytest.skip(f"{kind} backend {name} is not installed")
 
 

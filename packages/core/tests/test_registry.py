@@ -26,6 +26,8 @@ def test_installed_reference_backends_load_by_short_name():
     assert registry.load("train", "torch") is TorchTrainEngine
     names = {(b.kind, b.name) for b in registry.list_backends() if b.ready}
     assert {("rollout", "hf"), ("train", "torch"), ("reshard", "stream"), ("reshard", "naive")} <= names
+    assert registry.ready("rollout", "hf") and registry.ready("train", "torch")
+    assert not registry.ready("train", "nope") and not registry.ready("rollout", "torch")
 
 
 def test_missing_backend_names_the_package_to_install(monkeypatch):
@@ -49,6 +51,7 @@ def test_plugin_that_fails_to_import_says_so():
     registry.use_manager("rollout", ExtensionManager.make_test_instance([]), [failure])
     rows = {b.name: b for b in registry.list_backends("rollout")}
     assert "broken_dep" in rows["broken"].status
+    assert not registry.ready("rollout", "broken")
     with pytest.raises(BackendError, match="cannot be loaded: ImportError: No module named 'broken_dep'"):
         registry.load("rollout", "broken")
 

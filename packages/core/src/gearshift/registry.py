@@ -185,6 +185,11 @@ def list_backends(kind: str | None = None) -> list[BackendInfo]:
     return rows
 
 
+def ready(kind: str, name: str) -> bool:
+    """Whether backend `name` of `kind` is installed and can be built here (`load` says why not)."""
+    return any(r.name == name and r.ready for r in list_backends(kind))
+
+
 def load(kind: str, name: str) -> type:
     """The class of backend `name` of `kind` ('package:name' picks among plugins that share a name);
     a `BackendError` says why it cannot be had."""
