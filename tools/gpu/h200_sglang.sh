@@ -43,7 +43,7 @@ for what in "$@"; do
       for m in ${MODELS:-qwen2-0.5b qwen2-7b}; do
         timeout "${LIMIT:-280}" python3 -m gearshift bench switch --train fsdp --rollout sglang --model "$m" \
           --train-options '{"param_dtype": "bfloat16"}' \
-          --rollout-options '{"dtype": "bfloat16", "mem_fraction_static": 0.3}' --out "$out/bench-$m" 2>&1 \
+          --rollout-options '{"dtype": "bfloat16"}' --out "$out/bench-$m" 2>&1 \
           | quiet | tee "$out/bench-$m.log" | tail -24
       done ;;
     scenario)

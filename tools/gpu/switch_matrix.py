@@ -28,7 +28,7 @@ from gearshift.models import resolve_model
 TRAIN_OPTIONS = {"fsdp": {"param_dtype": "bfloat16"}, "deepspeed": {"zero_stage": 3}}
 ROLLOUT_OPTIONS = {"hf": {"dtype": "bfloat16"},
                    "vllm": {"dtype": "bfloat16", "gpu_memory_utilization": 0.3},
-                   "sglang": {"dtype": "bfloat16", "mem_fraction_static": 0.3}}
+                   "sglang": {"dtype": "bfloat16"}}
 MODES = {"full": ["optimizer", "grads"], "auto": "auto"}
 
 

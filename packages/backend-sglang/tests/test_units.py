@@ -126,8 +126,12 @@ def test_the_installed_sglang_engine_is_read_as_it_is():
         assert has_both
 
 
-def _arguments_on(on_gpu: bool, options=None, **args):
-    """The real `_arguments` of an engine that was not started: only the state it reads."""
+def _arguments_on(on_gpu: bool, options=None, *, free=80e9, weights=15e9, **args):
+    """The real `_arguments` of an engine that was not started: only the state it reads; on a "GPU", `free`
+    bytes free and `weights` bytes of fp32 weights (served in bf16: half of them)."""
+    from types import SimpleNamespace
+    from unittest import mock
+
     import torch
     from transformers import Qwen2Config
 
@@ -140,9 +144,12 @@ def _arguments_on(on_gpu: bool, options=None, **args):
     engine.options = options or SGLangRolloutEngine.Options()
     engine.on_gpu, engine.model_path, engine.dtype = on_gpu, "m", torch.bfloat16
     engine.device, engine.mesh = torch.device("cuda", 0) if on_gpu else torch.device("cpu"), MeshSpec(dp=1)
+    engine._spec = [SimpleNamespace(nbytes=int(weights), dtype=torch.float32)]
     config = Qwen2Config(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                          max_position_embeddings=512)
-    return engine._arguments(config)
+    with mock.patch("gearshift_sglang.engine.device_free", lambda device, cached: int(free)), \
+            mock.patch("gearshift_sglang.engine.release_cached", lambda device: 0):
+        return engine._arguments(config)
 
 
 def test_on_a_gpu_the_kv_cache_holds_the_batch_not_the_whole_share():
@@ -151,7 +158,7 @@ def test_on_a_gpu_the_kv_cache_holds_the_batch_not_the_whole_share():
 
     kwargs = _arguments_on(True, max_batch_tokens=256 * 320)
     assert kwargs["max_total_tokens"] == int(256 * 320 * KV_MARGIN)
-    assert kwargs["mem_fraction_static"] == 0.5
+    assert kwargs["mem_fraction_static"] == 0.5  # 7.5 GB of weights and a small KV cache in 80 GB free
     assert "max_total_tokens" not in _arguments_on(True)  # the batch unknown: SGLang's share
     off = SGLangRolloutEngine.Options(kv_cache_to_batch=False)
     assert "max_total_tokens" not in _arguments_on(True, off, max_batch_tokens=256 * 320)
@@ -272,3 +279,31 @@ def test_a_bucket_that_does_not_fit_beside_the_open_group_is_refused_and_an_empt
     flat.add({"a": torch.ones(4)})
     flat.drop_open()
     assert flat.open_bytes == 0
+
+
+def test_on_a_gpu_sglangs_share_of_free_memory_fits_the_weights_and_the_batchs_kv_cache_or_says_what_to_set():
+    """SGLang sizes its pool as mem_fraction_static x the free memory it sees at start; weights that do not fit
+    in it fail inside its scheduler, which then kills the host. The engine works the share out first."""
+    import pytest
+
+    from gearshift.options import OptionError
+    from gearshift_sglang import SGLangRolloutEngine
+    from gearshift_sglang.memory import MAX_FRACTION
+
+    # a 7B model in bf16 (15.2 GB) where a trainer left 45 GB free on an 80 GB card: 0.5 fits the weights
+    assert _arguments_on(True, free=45e9, weights=30.4e9)["mem_fraction_static"] == 0.5
+    # 30 GB free: 0.5 would leave no KV cache; the share grows to what the weights need, with a margin
+    grown = _arguments_on(True, free=30e9, weights=30.4e9, max_batch_tokens=256 * 320)["mem_fraction_static"]
+    assert 0.55 < grown <= MAX_FRACTION
+    # a share given too small for the weights: an error at build that names the option and the least that fits
+    small = SGLangRolloutEngine.Options(mem_fraction_static=0.3)
+    with pytest.raises(OptionError, match=r"mem_fraction_static to at least 0\.3[6-9]"):
+        _arguments_on(True, small, free=45e9, weights=30.4e9)
+    assert _arguments_on(True, SGLangRolloutEngine.Options(mem_fraction_static=0.4), free=45e9,
+                         weights=30.4e9)["mem_fraction_static"] == 0.4
+    # nothing fits: say what to free or shrink
+    with pytest.raises(OptionError, match="free memory before the rollout engine starts"):
+        _arguments_on(True, free=10e9, weights=30.4e9)
+    # the user's own engine_kwargs go to SGLang unchecked, as they are
+    raw = SGLangRolloutEngine.Options(engine_kwargs={"mem_fraction_static": 0.2})
+    assert _arguments_on(True, raw, free=10e9, weights=30.4e9)["mem_fraction_static"] == 0.2

@@ -28,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import atexit
 import json
+import logging
 import pickle
 import random
 import time
@@ -41,6 +42,7 @@ import torch
 
 from gearshift import dist as gdist
 from gearshift.hf import kv_bytes_per_token, weight_spec_of
+from gearshift.memory import device_free, release_cached
 from gearshift.options import option
 from gearshift.rollout import (ROLLOUT_TAGS, Rollout, RolloutArgs, RolloutEngine, RolloutError, SamplingParams,
                                kv_tokens_for_batch)
@@ -49,7 +51,10 @@ from gearshift.weights import WeightBucket, WeightError, WeightSpec
 from .host import (cache_environment, contained, default_cache_dir, drop_channels, ending_only, guard_sigquit,
                    started_processes)
 from .imports import cpu_environment, gpu_environment, importing_sglang
+from .memory import static_fraction
 from .weights import FlatBuckets, Sources
+
+logger = logging.getLogger(__name__)
 
 INSTALL = "pip install 'gearshift-sglang[cpu]' && tools/install_sglang.sh (CPU), or 'gearshift-sglang[gpu]'"
 CPU_RELEASES_NOTHING = "CPU SGLang releases nothing: its memory saver needs CUDA"
@@ -107,7 +112,11 @@ class SGLangRolloutEngine(RolloutEngine):
         kv_cache_to_batch: bool = option(True, "on a GPU, cap the KV cache at what the rollout's batch needs "
                                                "(max_batch_tokens, with a quarter more; False: all that "
                                                "mem_fraction_static leaves)")
-        mem_fraction_static: float = option(0.5, "share of GPU memory for weights and KV cache (GPU only)")
+        mem_fraction_static: float | None = option(None, "share of the GPU's free memory at start that SGLang "
+                                                         "holds for weights and KV cache (GPU only); None: 0.5, "
+                                                         "or what the weights and the batch's KV cache need, up "
+                                                         "to 0.9; a value too small for the weights is an error "
+                                                         "at build, naming the least that fits")
         enable_prefix_caching: bool = option(True, "reuse keys and values of shared prompt prefixes (SGLang's radix "
                                                    "cache: the n samples of a prompt share its prefill); a prefix "
                                                    "served from the cache was computed in another pass shape, so a "
@@ -204,8 +213,8 @@ class SGLangRolloutEngine(RolloutEngine):
             skip_server_warmup=True, sleep_on_idle=opts.sleep_on_idle,
         )
         if self.on_gpu:
-            kwargs.update(base_gpu_id=self.device.index or 0, mem_fraction_static=opts.mem_fraction_static,
-                          enable_memory_saver=True, sampling_backend=opts.sampling_backend or "pytorch")
+            kwargs.update(base_gpu_id=self.device.index or 0, enable_memory_saver=True,
+                          sampling_backend=opts.sampling_backend or "pytorch")
         else:
             kwargs.update(device="cpu", attention_backend="torch_native", disable_cuda_graph=True)
             if opts.sampling_backend:
@@ -220,7 +229,18 @@ class SGLangRolloutEngine(RolloutEngine):
             if tokens is not None:
                 kwargs["max_total_tokens"] = tokens
         kwargs.update(opts.engine_kwargs)
+        if self.on_gpu and "mem_fraction_static" not in opts.engine_kwargs:
+            kwargs["mem_fraction_static"] = self._static_fraction(config, kwargs.get("max_total_tokens"))
         return kwargs
+
+    def _static_fraction(self, config, kv_tokens: int | None) -> float:
+        """SGLang's `mem_fraction_static` for the memory free now (torch's unused cached blocks given back
+        first: SGLang's scheduler, another process, cannot use them); see memory.py."""
+        release_cached(self.device)
+        weights = sum(p.nbytes // p.dtype.itemsize for p in self._spec) * self.dtype.itemsize
+        kv = (kv_tokens or 0) * kv_bytes_per_token(config, self.dtype)
+        return static_fraction(free=device_free(self.device, cached=False), weights=weights, kv_cache=kv,
+                               given=self.options.mem_fraction_static, device=str(self.device))
 
     @contextmanager
     def _calling_sglang(self):
@@ -500,9 +520,13 @@ class SGLangRolloutEngine(RolloutEngine):
                 "kv_cache": 0 if "kv_cache" in self._released and self.on_gpu else held["kv_cache"]}
 
     def close(self) -> None:
-        engine, self._engine = getattr(self, "_engine", None), None
-        if engine is None:
+        if getattr(self, "_engine", None) is None:
             return
+        try:  # the scheduler lets go of the trainer's tensors first: no CUDA IPC reference outlives it
+            self.release_sources()
+        except Exception as err:  # a scheduler that died already holds nothing
+            logger.warning("sglang: the scheduler did not release the trainer's tensors at close: %s", err)
+        engine, self._engine = self._engine, None
         atexit.unregister(self.close)
         with contained(self._env, self._tmp, self._loop_policy), ending_only(self._processes):
             engine.shutdown()
