@@ -38,12 +38,15 @@ MODELS = {"0.5b": "qwen2-0.5b", "1.5b": "qwen2-1.5b", "7b": "qwen2-7b"}
 #: options, the 0.5B step 15.8 s at 1,024 tokens, the 1.5B 5.5 s at 256 and the 7B 10.3 s at 256 and 47.4 s
 #: at 1,024 (tokens/s falls with the answer length: the training attention and the KV cache grow with it)
 STEP_TOKEN_S = {"0.5b": 0.016, "1.5b": 0.022, "7b": 0.047}
-START_S = 90
+#: a cell's start by rollout engine: vLLM's on the H200; SGLang 0.5.17's first start on a fresh machine (an H100,
+#: 0.5B, ZeRO-3) spent 79 s compiling and capturing its piecewise prefill graphs (58 sizes) and then its decode
+#: graphs, and had not run a step 150 s in
+START_S = {"vllm": 90, "sglang": 210, "hf": 60}
 
 
-def expected_s(cell: dict, steps: int) -> float:
+def expected_s(cell: dict, steps: int, rollout: str = "vllm") -> float:
     """The seconds a cell is expected to take, start included."""
-    return START_S + steps * STEP_TOKEN_S[cell["model"]] * cell["tokens"]
+    return START_S[rollout] + steps * STEP_TOKEN_S[cell["model"]] * cell["tokens"]
 
 
 def parse_cell(cell: str) -> dict:
@@ -145,7 +148,7 @@ def main() -> int:
     out.mkdir(parents=True, exist_ok=True)
     start, results, skipped = time.time(), [], []
     for cell in [parse_cell(c) for c in args.cells.split(",") if c]:
-        need = expected_s(cell, args.steps)
+        need = expected_s(cell, args.steps, args.rollout)
         left = args.budget_s - (time.time() - start) if args.budget_s else None
         if left is not None and not results and need > left:
             print(f"[{cell['cell']}] expected to need about {need:.0f} s for {args.steps} steps: the budget's "

@@ -8,7 +8,9 @@
 #                                              test_sleep_frees_memory included (SGLang's memory saver, by tag)
 #   bash tools/gpu/h200_sglang.sh bench         gearshift bench switch --train fsdp --rollout sglang at 0.5B and 7B
 #                                              (MODELS=...): sync beside the copy, SGLang's own
-#                                              update_weights_from_tensor, PCIe and naive
+#                                              update_weights_from_tensor, PCIe and naive (one file round
+#                                              trip: 21 s at 7B). A fresh machine's 7B bench takes about
+#                                              4 minutes (preset, SGLang's first graph capture): LIMIT=280 at least
 #   CELLS=... bash tools/gpu/h200_sglang.sh scenario
 #                                              GRPO cells of tools/gpu/grpo_scenario.py with --rollout sglang,
 #                                              32 prompts x 8 x 256 tokens, 20 steps (0.5B by default)
@@ -28,6 +30,8 @@ export PYTHONPATH=/tmp/site-sglang:$PYTHONPATH
 # flashinfer (SGLang's sampler) compiles its kernels on first use: keep them under /tmp with the rest
 export FLASHINFER_WORKSPACE_BASE=/tmp/flashinfer SGLANG_CACHE_DIR=/tmp/sglang_cache
 bf16='{"dtype": "bfloat16"}'
+# timeout ends a command with no word of its own: say which one it was
+stopped() { [ "$1" = 124 ] && echo "$2: stopped at its time limit (LIMIT=${LIMIT:-its default} s); raise LIMIT"; true; }
 for what in "$@"; do
   case "$what" in
     build)
@@ -38,18 +42,21 @@ for what in "$@"; do
         timeout "${LIMIT:-420}" python3 -m gearshift conformance --train "$t" --rollout sglang --model qwen2-0.5b \
           --train-options "$opts" --rollout-options "$bf16" -- -rfEx -p no:logging 2>&1 | quiet \
           | tee "$out/conformance-${t}-sglang.log" | grep -E "passed|failed|FAILED|XPASS|XFAIL|Error" | tail -8
+        stopped "${PIPESTATUS[0]}" "conformance $t + sglang"
       done ;;
     bench)
       for m in ${MODELS:-qwen2-0.5b qwen2-7b}; do
         timeout "${LIMIT:-280}" python3 -m gearshift bench switch --train fsdp --rollout sglang --model "$m" \
-          --train-options '{"param_dtype": "bfloat16"}' \
+          --naive-switches 1 --train-options '{"param_dtype": "bfloat16"}' \
           --rollout-options '{"dtype": "bfloat16"}' --out "$out/bench-$m" 2>&1 \
           | quiet | tee "$out/bench-$m.log" | tail -24
+        stopped "${PIPESTATUS[0]}" "bench $m"
       done ;;
     scenario)
       timeout "${LIMIT:-560}" python3 tools/gpu/grpo_scenario.py --rollout sglang \
         --cells "${CELLS:-0.5b-256-fsdp-auto}" --steps "${STEPS:-20}" --budget-s "${BUDGET:-540}" \
         --out "$out/scenario" 2>&1 | quiet | tail -40
+      stopped "${PIPESTATUS[0]}" "scenario"
       cp "$out/scenario/scenario.json" "$out/scenario-sglang-${TAG:-run}.json" 2>/dev/null ;;
     *) echo "unknown: $what (conformance, bench, scenario, build)"; exit 2 ;;
   esac
