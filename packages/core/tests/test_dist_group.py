@@ -1,4 +1,4 @@
-"""The process group `ensure_process_group` makes in a plain process."""
+"""The process groups gearshift makes or joins, and how a process that holds one ends."""
 
 import subprocess
 import sys
@@ -60,3 +60,38 @@ def test_a_command_that_fails_leaves_the_group_alone():
     """Taking a group down while a peer may still be inside a collective can hang: not on failure."""
     stdout = _joined("backends", "no-such-backend")
     assert "code: 0" not in stdout and "group at exit: True" in stdout
+
+
+RANK = """
+import atexit, sys
+class Teardown:
+    def __del__(self):
+        print("interpreter teardown", flush=True)
+keep = Teardown()
+atexit.register(lambda: print("exit handlers ran", flush=True))
+from gearshift import cli, dist as gdist
+gdist.init()  # as torchrun's ranks join, here a world of one
+sys.argv = ["gearshift", *sys.argv[1:]]
+cli.run()
+"""
+
+
+def _rank(*argv: str) -> subprocess.CompletedProcess:
+    env = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": str(_free_port()), "PATH": "/usr/bin:/bin"}
+    return subprocess.run([sys.executable, "-c", RANK, *argv], capture_output=True, text=True, timeout=120, env=env)
+
+
+def test_a_rank_that_ended_well_exits_without_the_interpreters_teardown():
+    """gloo's worker threads outlive `destroy_process_group` while an FSDP module's mesh holds the group; one
+    that drops its last work during the teardown needs the GIL and aborts the rank (exit -6 after a good run)."""
+    out = _rank("env")
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "exit handlers ran" in out.stdout and "python" in out.stdout  # `env`'s own output came out whole
+    assert "interpreter teardown" not in out.stdout
+
+
+def test_a_rank_whose_command_failed_exits_the_usual_way():
+    out = _rank("backends", "no-such-backend")
+    assert out.returncode != 0
+    assert "exit handlers ran" in out.stdout and "interpreter teardown" in out.stdout

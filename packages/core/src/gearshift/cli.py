@@ -17,7 +17,7 @@ import argparse
 import importlib
 import os
 import sys
-from typing import Callable
+from typing import Callable, NoReturn
 
 #: name -> (help, "module:add_arguments" or None, "module:run")
 COMMANDS: dict[str, tuple[str, str | None, str]] = {
@@ -160,6 +160,16 @@ def build_parser() -> argparse.ArgumentParser:
             _resolve(setup)(p)
         p.set_defaults(run=run)
     return parser
+
+
+def run() -> NoReturn:
+    """The `gearshift` program (its console script and `python -m gearshift`): `main`, then exit with its
+    code. A torchrun rank whose command ended well ends without the interpreter's teardown (`dist.exit_now`)."""
+    code = main()
+    gdist = sys.modules.get("gearshift.dist")  # not imported: no group joined
+    if gdist is not None and gdist.has_left():
+        gdist.exit_now(code)
+    sys.exit(code)
 
 
 def main(argv: list[str] | None = None) -> int:
