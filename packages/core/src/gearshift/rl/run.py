@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 from typing import Any, Callable, Mapping
 
+from . import checkpoint
 from .config import Config, ConfigError, build_config, load_config
 
 
@@ -126,6 +128,17 @@ def train_command(args: argparse.Namespace) -> int:
         print(check_config(cfg))
         return 0
     trainer = Trainer(config=cfg)
+    try:
+        return _train(trainer, args)
+    except KeyboardInterrupt:  # Ctrl-C: say where the run stood and how to go on, not a traceback from an engine
+        if trainer.controller is None or trainer.controller.rank == 0:
+            print(_interrupted(trainer.controller), file=sys.stderr, flush=True)
+        return 130
+    finally:
+        trainer.close()  # the engines go before the process group they share (else their finalizers fail at exit)
+
+
+def _train(trainer: Trainer, args: argparse.Namespace) -> int:
     history = trainer.train()
     controller = trainer.controller
     if controller.rank == 0 and history:
@@ -137,5 +150,13 @@ def train_command(args: argparse.Namespace) -> int:
         trainer.save(args.export)
         if controller.rank == 0:
             print(f"policy written to {args.export}")
-    trainer.close()
     return 0
+
+
+def _interrupted(controller) -> str:
+    if controller is None:
+        return "gearshift train: interrupted before the first step"
+    last = checkpoint.latest(controller.out / "checkpoints")
+    where = (f"the last checkpoint is {last}, and the same command resumes there (run.resume=auto)" if last
+             else "no checkpoint was written yet (run.checkpoint_every sets how often)")
+    return f"gearshift train: interrupted in step {controller.step + 1}; {where}"
