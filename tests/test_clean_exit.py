@@ -57,3 +57,23 @@ def _train(model: str, out, *overrides: str) -> list[str]:
     return [sys.executable, "-m", "gearshift", "train", f"model.path={model}", "train.backend=fsdp",
             "rollout.backend=vllm", "run.prompts_per_step=2", "rollout.n=2", "rollout.max_tokens=3",
             f"run.output_dir={out}", "run.progress=false", "run.tensorboard=false", "run.plot=false", *overrides]
+
+
+def test_ctrl_c_is_known_inside_the_errors_that_wrap_it():
+    """torch's distributed checkpoint turns a KeyboardInterrupt raised while it writes (checkpoints every step,
+    an fsdp trainer) into a CheckpointException: still Ctrl-C, not a failure with a traceback."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from gearshift.rl.run import _ctrl_c
+
+    assert _ctrl_c(KeyboardInterrupt())
+    assert _ctrl_c(CheckpointException("save", {0: (KeyboardInterrupt(), None)}))
+    assert not _ctrl_c(CheckpointException("save", {0: (OSError("disk full"), None)}))
+    assert not _ctrl_c(ValueError("bad value"))
+    try:
+        try:
+            raise KeyboardInterrupt
+        except KeyboardInterrupt as inner:
+            raise RuntimeError("stopped inside an engine") from inner
+    except RuntimeError as outer:
+        assert _ctrl_c(outer)

@@ -130,7 +130,9 @@ def train_command(args: argparse.Namespace) -> int:
     trainer = Trainer(config=cfg)
     try:
         return _train(trainer, args)
-    except KeyboardInterrupt:  # Ctrl-C: say where the run stood and how to go on, not a traceback from an engine
+    except BaseException as err:  # Ctrl-C: say where the run stood and how to go on, not a traceback from an engine
+        if not _ctrl_c(err):
+            raise
         if trainer.controller is None or trainer.controller.rank == 0:
             print(_interrupted(trainer.controller), file=sys.stderr, flush=True)
         return 130
@@ -151,6 +153,22 @@ def _train(trainer: Trainer, args: argparse.Namespace) -> int:
         if controller.rank == 0:
             print(f"policy written to {args.export}")
     return 0
+
+
+def _ctrl_c(err: BaseException | None) -> bool:
+    """Whether `err` is Ctrl-C's KeyboardInterrupt or wraps one: torch's distributed checkpoint turns one
+    raised while it writes into a `CheckpointException` holding it among its `failures`."""
+    seen: set[int] = set()
+    while err is not None and id(err) not in seen:
+        seen.add(id(err))
+        if isinstance(err, KeyboardInterrupt):
+            return True
+        failures = getattr(err, "failures", None)
+        if isinstance(failures, dict) and any(
+                _ctrl_c(f[0] if isinstance(f, tuple) else f) for f in failures.values() if f is not None):
+            return True
+        err = err.__cause__ or err.__context__
+    return False
 
 
 def _interrupted(controller) -> str:
