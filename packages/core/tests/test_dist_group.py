@@ -40,11 +40,15 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _rank_env() -> dict[str, str]:
+    """The variables torchrun gives a rank, for a world of one."""
+    return {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(_free_port()), "PATH": "/usr/bin:/bin"}
+
+
 def _joined(*argv: str) -> str:
-    env = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
-           "MASTER_PORT": str(_free_port()), "PATH": "/usr/bin:/bin"}
     out = subprocess.run([sys.executable, "-c", JOINED, *argv], capture_output=True, text=True, timeout=120,
-                         env=env)
+                         env=_rank_env())
     assert out.returncode == 0, out.stderr[-2000:]
     assert "joined: True" in out.stdout
     return out.stdout
@@ -77,9 +81,8 @@ cli.run()
 
 
 def _rank(*argv: str) -> subprocess.CompletedProcess:
-    env = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
-           "MASTER_PORT": str(_free_port()), "PATH": "/usr/bin:/bin"}
-    return subprocess.run([sys.executable, "-c", RANK, *argv], capture_output=True, text=True, timeout=120, env=env)
+    return subprocess.run([sys.executable, "-c", RANK, *argv], capture_output=True, text=True, timeout=120,
+                          env=_rank_env())
 
 
 def test_a_rank_that_ended_well_exits_without_the_interpreters_teardown():

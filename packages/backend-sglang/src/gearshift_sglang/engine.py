@@ -191,7 +191,7 @@ class SGLangRolloutEngine(RolloutEngine):
         self.max_model_len = int(info.get("max_req_input_len", self._engine.tokenizer_manager.context_len))
         self._tokenizer = self._engine.tokenizer_manager.tokenizer
         # a group holds at most the whole model, in the engine's dtype, with room for each tensor's alignment
-        whole = sum(p.nbytes // p.dtype.itemsize * self.dtype.itemsize + self.dtype.itemsize for p in self._spec)
+        whole = self._served_bytes() + len(self._spec) * self.dtype.itemsize
         if opts.load_group_bytes < 1:
             raise ValueError(f"load_group_bytes={opts.load_group_bytes} must be >= 1")
         self._flat = FlatBuckets(self.device, self.dtype, group_bytes=min(int(opts.load_group_bytes), whole))
@@ -237,10 +237,13 @@ class SGLangRolloutEngine(RolloutEngine):
         """SGLang's `mem_fraction_static` for the memory free now (torch's unused cached blocks given back
         first: SGLang's scheduler, another process, cannot use them); see memory.py."""
         release_cached(self.device)
-        weights = sum(p.nbytes // p.dtype.itemsize for p in self._spec) * self.dtype.itemsize
         kv = (kv_tokens or 0) * kv_bytes_per_token(config, self.dtype)
-        return static_fraction(free=device_free(self.device, cached=False), weights=weights, kv_cache=kv,
-                               given=self.options.mem_fraction_static, device=str(self.device))
+        return static_fraction(free=device_free(self.device, cached=False), weights=self._served_bytes(),
+                               kv_cache=kv, given=self.options.mem_fraction_static, device=str(self.device))
+
+    def _served_bytes(self) -> int:
+        """The model's weights in the engine's dtype."""
+        return sum(p.nbytes // p.dtype.itemsize for p in self._spec) * self.dtype.itemsize
 
     @contextmanager
     def _calling_sglang(self):
