@@ -8,6 +8,7 @@ import faulthandler
 import os
 import sys
 import threading
+import time
 from typing import NoReturn
 
 import torch
@@ -41,6 +42,7 @@ def init(backend: str | None = None, timeout_s: float = DEFAULT_TIMEOUT_S) -> No
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
+    _hold_the_exit_for_collective_threads()
     global _watchdog_s, _joined
     _watchdog_s = timeout_s + 30
     _joined = dist.group.WORLD
@@ -94,6 +96,28 @@ def exit_now(code: int) -> NoReturn:
         except (OSError, ValueError):  # a closed stream or a reader gone: nothing left to say
             pass
     os._exit(code)
+
+
+EXIT_GRACE_S = 0.25
+_grace_held = False
+
+
+def _hold_the_exit_for_collective_threads() -> None:
+    """At exit, before the interpreter's teardown, wait `EXIT_GRACE_S` with the GIL free (once per process).
+
+    A gloo worker thread drops the work it ran after the rank that waited on it
+    has moved on; the work's tensors are Python's, so dropping them takes the
+    GIL. One that does so during the teardown, which hands the GIL to no other
+    thread, aborts the process ("terminate called without an active
+    exception", exit -6 after a run that went well). Exit handlers run before
+    the teardown, so one that sleeps lets such a thread finish. `exit_now`
+    (the CLI's way out) skips the teardown altogether; this covers every other
+    script that joins or makes a group through gearshift.
+    """
+    global _grace_held
+    if not _grace_held:
+        atexit.register(time.sleep, EXIT_GRACE_S)
+        _grace_held = True
 
 
 def heartbeat() -> None:
@@ -188,6 +212,7 @@ def ensure_process_group(device: torch.device | str | None = None) -> None:
     is taken down at the process's exit (so NCCL does not warn of a leak).
     """
     if is_distributed():
+        _hold_the_exit_for_collective_threads()  # a group the script made itself: our engines use it too
         return
     cuda = torch.device(device).type == "cuda" if device else torch.cuda.is_available()
     backend = "cuda:nccl,cpu:gloo" if cuda else "gloo"
@@ -198,7 +223,8 @@ def ensure_process_group(device: torch.device | str | None = None) -> None:
         init(backend)
     else:
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
-        atexit.register(_destroy_own_group, dist.group.WORLD)
+        _hold_the_exit_for_collective_threads()
+        atexit.register(_destroy_own_group, dist.group.WORLD)  # runs first: handlers run last-in, first-out
 
 
 def _destroy_own_group(group) -> None:
