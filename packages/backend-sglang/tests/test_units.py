@@ -184,6 +184,15 @@ def test_on_a_gpu_sglang_samples_in_plain_torch_unless_asked_otherwise():
     assert _arguments_on(True, over)["sampling_backend"] == "pytorch"
 
 
+def test_on_a_gpu_sglang_captures_decoding_graphs_only_unless_asked():
+    from gearshift_sglang import SGLangRolloutEngine
+
+    assert _arguments_on(True)["disable_prefill_cuda_graph"] is True  # 79 s at a fresh machine's first start
+    assert "disable_prefill_cuda_graph" not in _arguments_on(True, SGLangRolloutEngine.Options(prefill_cuda_graph=True))
+    assert "disable_prefill_cuda_graph" not in _arguments_on(False)  # the CPU captures no graph at all
+    assert _arguments_on(False)["disable_cuda_graph"] is True
+
+
 def _flat_buckets(dtype):
     import pytest
     import torch

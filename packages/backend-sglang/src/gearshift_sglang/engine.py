@@ -141,6 +141,10 @@ class SGLangRolloutEngine(RolloutEngine):
                                                     "compile with nvcc on first use, for minutes; rollouts at "
                                                     "temperature 1 without top-k/top-p sample in plain torch "
                                                     "either way), SGLang's own choice on a CPU")
+        prefill_cuda_graph: bool = option(False, "on a GPU, also capture CUDA graphs for prefill (SGLang's "
+                                                 "default in 0.5.17: at its first start on a fresh machine it "
+                                                 "compiled and captured them for 79 s); a rollout's steps are "
+                                                 "nearly all decoding, whose graphs are captured either way")
         engine_kwargs: dict[str, Any] = option({}, "passed to sglang.Engine as they are (over every option)")
 
     def __init__(self, args: RolloutArgs, options: "SGLangRolloutEngine.Options | None" = None) -> None:
@@ -215,6 +219,8 @@ class SGLangRolloutEngine(RolloutEngine):
         if self.on_gpu:
             kwargs.update(base_gpu_id=self.device.index or 0, enable_memory_saver=True,
                           sampling_backend=opts.sampling_backend or "pytorch")
+            if not opts.prefill_cuda_graph:
+                kwargs["disable_prefill_cuda_graph"] = True
         else:
             kwargs.update(device="cpu", attention_backend="torch_native", disable_cuda_graph=True)
             if opts.sampling_backend:
