@@ -1,18 +1,26 @@
 """Resumable run checkpoints: engines, loop state and every rank's RNG, marked complete only when whole.
 
 A run killed while writing leaves a folder without the `COMPLETE` marker,
-which `latest` skips, so resuming never starts from half a checkpoint. The
+which `latest` skips, so resuming never starts from half a checkpoint. Ctrl-C
+during a write lets the write finish and stops after it (a second Ctrl-C
+stops at once): a KeyboardInterrupt raised inside torch's writers leaves a
+file cut short and comes back as some other error (seen: "unexpected pos" from
+torch.save, wrapped in a CheckpointException), not as Ctrl-C. The
 loop state is JSON and the RNG states are tensors in safetensors files:
 reading a checkpoint runs no code from it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import random
 import shutil
+import signal
+import sys
+import threading
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Iterator, Mapping
 
 import torch
 
@@ -61,7 +69,45 @@ def to_resume(resume: str, root: str | Path) -> Path | None:
 
 def save(root: str | Path, step: int, engines: Mapping[str, TrainEngine], state: Mapping[str, Any],
          keep: int = 2) -> Path:
-    """Write checkpoint `step` (every rank calls this) and keep the newest `keep` complete ones."""
+    """Write checkpoint `step` (every rank calls this) and keep the newest `keep` complete ones.
+
+    Ctrl-C while it writes raises KeyboardInterrupt once the checkpoint is complete (`ctrl_c_after`)."""
+    with ctrl_c_after(f"checkpoint {step} is written"):
+        return _save(root, step, engines, state, keep)
+
+
+@contextlib.contextmanager
+def ctrl_c_after(what: str) -> Iterator[None]:
+    """Hold Ctrl-C until the block ends, then raise KeyboardInterrupt; a second Ctrl-C raises at once.
+
+    Only in the main thread and where SIGINT has Python's own handler (a program
+    that set its own keeps it). An error inside the block is raised as it is.
+    """
+    if threading.current_thread() is not threading.main_thread() or \
+            signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
+        yield
+        return
+    pressed: list[bool] = []
+
+    def held(signum, frame):
+        if pressed:
+            raise KeyboardInterrupt
+        pressed.append(True)
+        if gdist.rank() == 0:
+            print(f"gearshift: Ctrl-C: stopping once {what} (Ctrl-C again stops now, without it)",
+                  file=sys.stderr, flush=True)
+
+    signal.signal(signal.SIGINT, held)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    if pressed:
+        raise KeyboardInterrupt
+
+
+def _save(root: str | Path, step: int, engines: Mapping[str, TrainEngine], state: Mapping[str, Any],
+          keep: int) -> Path:
     path = Path(root) / f"step_{step:06d}"
     rank = gdist.rank()
     if rank == 0 and path.exists():

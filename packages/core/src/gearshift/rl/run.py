@@ -177,4 +177,6 @@ def _interrupted(controller) -> str:
     last = checkpoint.latest(controller.out / "checkpoints")
     where = (f"the last checkpoint is {last}, and the same command resumes there (run.resume=auto)" if last
              else "no checkpoint was written yet (run.checkpoint_every sets how often)")
+    if last and last.name == f"step_{controller.step:06d}":  # held until the step's checkpoint was written
+        return f"gearshift train: interrupted after step {controller.step}; {where}"
     return f"gearshift train: interrupted in step {controller.step + 1}; {where}"
