@@ -147,8 +147,8 @@ def _arguments_on(on_gpu: bool, options=None, *, free=80e9, weights=15e9, **args
     engine._spec = [SimpleNamespace(nbytes=int(weights), dtype=torch.float32)]
     config = Qwen2Config(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                          max_position_embeddings=512)
-    with mock.patch("gearshift_sglang.engine.device_free", lambda device, cached: int(free)), \
-            mock.patch("gearshift_sglang.engine.release_cached", lambda device: 0):
+    with mock.patch("gearshift_sglang.arguments.device_free", lambda device, cached: int(free)), \
+            mock.patch("gearshift_sglang.arguments.release_cached", lambda device: 0):
         return engine._arguments(config)
 
 

@@ -34,31 +34,26 @@ import random
 import time
 import weakref
 from contextlib import contextmanager
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar, Iterable, Sequence
 
 import torch
 
 from gearshift import dist as gdist
-from gearshift.hf import kv_bytes_per_token, weight_spec_of
-from gearshift.memory import device_free, release_cached
-from gearshift.options import option
-from gearshift.rollout import (ROLLOUT_TAGS, Rollout, RolloutArgs, RolloutEngine, RolloutError, SamplingParams,
-                               kv_tokens_for_batch)
+from gearshift.hf import weight_spec_of
+from gearshift.rollout import ROLLOUT_TAGS, Rollout, RolloutArgs, RolloutEngine, RolloutError, SamplingParams
 from gearshift.weights import WeightBucket, WeightError, WeightSpec
 
+from .arguments import SGLangOptions, engine_arguments
 from .host import (cache_environment, contained, default_cache_dir, drop_channels, ending_only, guard_sigquit,
                    started_processes)
 from .imports import cpu_environment, gpu_environment, importing_sglang
-from .memory import static_fraction
 from .weights import FlatBuckets, Sources
 
 logger = logging.getLogger(__name__)
 
 INSTALL = "pip install 'gearshift-sglang[cpu]' && tools/install_sglang.sh (CPU), or 'gearshift-sglang[gpu]'"
 CPU_RELEASES_NOTHING = "CPU SGLang releases nothing: its memory saver needs CUDA"
-DEFAULT_CPU_KV_CACHE_BYTES = 256 << 20
 TOP_K_ALL = -1  # SGLang's "no top-k"
 
 
@@ -103,49 +98,7 @@ class SGLangRolloutEngine(RolloutEngine):
     casts_on_load = True
     conformance_xfail: ClassVar[dict[str, dict[str, str]]] = _conformance_xfail()
 
-    @dataclass(frozen=True)
-    class Options:
-        cache_dir: str | None = option(None, "SGLang's caches, sockets and temporary files (default "
-                                             "~/.cache/gearshift/sglang)")
-        kv_cache_bytes: int | None = option(None, "KV cache size (CPU default 256 MiB; GPU default: what the "
-                                                  "rollout's max_batch_tokens need, within mem_fraction_static)")
-        kv_cache_to_batch: bool = option(True, "on a GPU, cap the KV cache at what the rollout's batch needs "
-                                               "(max_batch_tokens, with a quarter more; False: all that "
-                                               "mem_fraction_static leaves)")
-        mem_fraction_static: float | None = option(None, "share of the GPU's free memory at start that SGLang "
-                                                         "holds for weights and KV cache (GPU only); None: 0.5, "
-                                                         "or what the weights and the batch's KV cache need, up "
-                                                         "to 0.9; a value too small for the weights is an error "
-                                                         "at build, naming the least that fits")
-        enable_prefix_caching: bool = option(True, "reuse keys and values of shared prompt prefixes (SGLang's radix "
-                                                   "cache: the n samples of a prompt share its prefill); a prefix "
-                                                   "served from the cache was computed in another pass shape, so a "
-                                                   "repeated request can differ in the last bits (4.8e-7 in fp32)")
-        release_memory: bool | None = option(None, "sleep releases memory through SGLang (None: on GPU only; "
-                                                   "on CPU it frees nothing and costs ~0.5 s)")
-        sleep_on_idle: bool = option(False, "SGLang's scheduler waits on its sockets while it has no work "
-                                            "instead of polling them: frees the core it keeps busy while the "
-                                            "trainer runs; off by default until its timing on the CPU is "
-                                            "understood (see the README)")
-        direct_load: bool = option(True, "write updated weights straight into SGLang's parameters, in its "
-                                         "scheduler process, through views found and checked against the "
-                                         "checkpoint at start (the rest through SGLang's loader); False: "
-                                         "every weight through SGLang's loader (flattened buckets)")
-        load_group_bytes: int = option(1 << 30, "with direct_load, buckets are gathered in the flat buffer up to "
-                                                "this many bytes (the whole model when smaller) and sent to the "
-                                                "scheduler in one call: one round trip per group instead of one "
-                                                "per bucket (a 7B sync has about 100 buckets of 128 MiB); the "
-                                                "trainer's side keeps a buffer of this size on its device")
-        sampling_backend: str | None = option(None, "SGLang's sampling kernels ('pytorch', 'flashinfer'); "
-                                                    "None: 'pytorch' on a GPU (flashinfer's top-k/top-p kernels "
-                                                    "compile with nvcc on first use, for minutes; rollouts at "
-                                                    "temperature 1 without top-k/top-p sample in plain torch "
-                                                    "either way), SGLang's own choice on a CPU")
-        prefill_cuda_graph: bool = option(False, "on a GPU, also capture CUDA graphs for prefill (SGLang's "
-                                                 "default in 0.5.17: at its first start on a fresh machine it "
-                                                 "compiled and captured them for 79 s); a rollout's steps are "
-                                                 "nearly all decoding, whose graphs are captured either way")
-        engine_kwargs: dict[str, Any] = option({}, "passed to sglang.Engine as they are (over every option)")
+    Options: ClassVar[type] = SGLangOptions
 
     def __init__(self, args: RolloutArgs, options: "SGLangRolloutEngine.Options | None" = None) -> None:
         """Start SGLang for `args.model` (a local Hugging Face folder); see `Options` and the README."""
@@ -210,42 +163,9 @@ class SGLangRolloutEngine(RolloutEngine):
 
     def _arguments(self, config) -> dict[str, Any]:
         """The keyword arguments of `sglang.Engine` for this engine's arguments and options."""
-        args, opts = self.args, self.options
-        kwargs: dict[str, Any] = dict(
-            model_path=self.model_path, dtype=args.dtype, random_seed=args.seed, log_level="error",
-            context_length=args.max_model_len, disable_radix_cache=not opts.enable_prefix_caching,
-            skip_server_warmup=True, sleep_on_idle=opts.sleep_on_idle,
-        )
-        if self.on_gpu:
-            kwargs.update(base_gpu_id=self.device.index or 0, enable_memory_saver=True,
-                          sampling_backend=opts.sampling_backend or "pytorch")
-            if not opts.prefill_cuda_graph:
-                kwargs["disable_prefill_cuda_graph"] = True
-        else:
-            kwargs.update(device="cpu", attention_backend="torch_native", disable_cuda_graph=True)
-            if opts.sampling_backend:
-                kwargs["sampling_backend"] = opts.sampling_backend
-        kv_bytes = opts.kv_cache_bytes or (None if self.on_gpu else DEFAULT_CPU_KV_CACHE_BYTES)
-        if kv_bytes is not None:
-            kwargs["max_total_tokens"] = max(1, int(kv_bytes) // kv_bytes_per_token(config, self.dtype))
-        elif opts.kv_cache_to_batch:  # a GPU: the batch's tokens, where known
-            text = getattr(config, "text_config", None) or config
-            context = args.max_model_len or getattr(text, "max_position_embeddings", None) or 0
-            tokens = kv_tokens_for_batch(args.max_batch_tokens, int(context), self.mesh.dp)
-            if tokens is not None:
-                kwargs["max_total_tokens"] = tokens
-        kwargs.update(opts.engine_kwargs)
-        if self.on_gpu and "mem_fraction_static" not in opts.engine_kwargs:
-            kwargs["mem_fraction_static"] = self._static_fraction(config, kwargs.get("max_total_tokens"))
-        return kwargs
-
-    def _static_fraction(self, config, kv_tokens: int | None) -> float:
-        """SGLang's `mem_fraction_static` for the memory free now (torch's unused cached blocks given back
-        first: SGLang's scheduler, another process, cannot use them); see memory.py."""
-        release_cached(self.device)
-        kv = (kv_tokens or 0) * kv_bytes_per_token(config, self.dtype)
-        return static_fraction(free=device_free(self.device, cached=False), weights=self._served_bytes(),
-                               kv_cache=kv, given=self.options.mem_fraction_static, device=str(self.device))
+        return engine_arguments(self.args, self.options, config, model_path=self.model_path, on_gpu=self.on_gpu,
+                                device=self.device, dtype=self.dtype, dp=self.mesh.dp,
+                                served_bytes=self._served_bytes())
 
     def _served_bytes(self) -> int:
         """The model's weights in the engine's dtype."""
