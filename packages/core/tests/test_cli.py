@@ -88,3 +88,14 @@ def test_bench_step_splits_a_step_into_its_phases_and_the_loops_own_time(gearshi
     assert result["steps"] == 2 and {"step", "rollout", "reward", "train", "loop"} <= set(result)
     parts = sum(result.get(k, 0) for k in ("rollout", "reward", "train", "switch_to_rollout", "switch_to_train"))
     assert result["loop"] == pytest.approx(result["step"] - parts, abs=0.05 * result["step"] + 1e-3)
+
+
+def test_check_names_an_engine_option_the_backend_lacks(capsys):
+    from gearshift.cli import main
+
+    assert main(["train", "rollout.backend=hf", "train.backend=torch", "rollout.options.max_batch_sise=8",
+                 "--check"]) == 2
+    err = capsys.readouterr().err
+    assert "rollout.options: rollout backend 'hf': HFRolloutEngine has no option 'max_batch_sise'" in err
+    assert main(["train", "rollout.backend=hf", "train.backend=torch", "rollout.options.max_batch_size=8",
+                 "--check"]) == 0

@@ -284,3 +284,26 @@ def test_the_rollouts_batch_tokens_count_every_samples_prompt_and_answer_or_its_
     assert cfg.rollout_batch_tokens() == 32 * 8 * (64 + 256)
     episodes = load_config(None, ["data.task=calc", "run.prompts_per_step=4", "rollout.n=2", "agent.max_tokens=96"])
     assert episodes.rollout_batch_tokens() == 4 * 2 * (episodes.data.max_prompt_len + 96)
+
+
+def test_an_engine_option_its_backend_lacks_fails_before_anything_is_built(monkeypatch):
+    from gearshift.rl import Trainer
+    from gearshift.rl.engines import check_options
+
+    check_options(load_config(None, ["rollout.backend=hf", "train.backend=torch",
+                                     'rollout.options={"max_batch_size": 8}']))
+    with pytest.raises(ConfigError, match="rollout.options: rollout backend 'hf': HFRolloutEngine has no option "
+                                          "'max_batch_sise'.*also takes: device, max_batch_size"):
+        check_options(load_config(None, ["rollout.backend=hf", 'rollout.options={"max_batch_sise": 8}']))
+    with pytest.raises(ConfigError, match="train.options: train backend 'torch': .*'gradient_checkpointing' = "
+                                          "'maybe'"):
+        check_options(load_config(None, ["train.backend=torch", 'train.options={"gradient_checkpointing": "maybe"}']))
+
+    def no_build(*args, **kwargs):
+        raise AssertionError("a model was built or resolved before the options were checked")
+
+    monkeypatch.setattr("gearshift.models.resolve_model", no_build)
+    monkeypatch.setattr("gearshift.registry.create", no_build)
+    with pytest.raises(ConfigError, match="has no option 'max_batch_sise'"):
+        Trainer(model="tiny", rollout={"backend": "hf", "options": {"max_batch_sise": 8}},
+                train={"backend": "torch"}).train()

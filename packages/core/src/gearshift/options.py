@@ -170,14 +170,27 @@ def parse_options(cls: type, kwargs: dict[str, Any]) -> tuple[EngineArgs, Any]:
     """Split `kwargs` into `cls.Args` and `cls.Options`, checking every name and type."""
     check_engine_class(cls)
     common, own = _fields(cls.Args), _fields(cls.Options)
+    _no_unknown(cls, kwargs)
+    return (_make(cls.Args, {k: v for k, v in kwargs.items() if k in common}, cls.__name__),
+            _make(cls.Options, {k: v for k, v in kwargs.items() if k in own}, cls.__name__))
+
+
+def check_options(cls: type, options: dict[str, Any]) -> None:
+    """Raise `OptionError` unless every one of `options` is an option of engine class `cls` (its own, or an
+    argument every engine of its kind takes) with a value of its type: what `build` would check, before it."""
+    check_engine_class(cls)
+    _no_unknown(cls, options)
+    _make(cls.Options, {k: v for k, v in options.items() if k in _fields(cls.Options)}, cls.__name__)
+
+
+def _no_unknown(cls: type, kwargs: dict[str, Any]) -> None:
+    common, own = _fields(cls.Args), _fields(cls.Options)
     unknown = sorted(set(kwargs) - set(common) - set(own))
     if unknown:
         raise OptionError(
             f"{cls.__name__} has no option {', '.join(map(repr, unknown))}. Every {cls.Args.__name__[:-4].lower()} "
             f"engine takes: {', '.join(common)}; {cls.__name__} also takes: {', '.join(own) or 'nothing else'} "
             f"(see 'gearshift backends NAME')")
-    return (_make(cls.Args, {k: v for k, v in kwargs.items() if k in common}, cls.__name__),
-            _make(cls.Options, {k: v for k, v in kwargs.items() if k in own}, cls.__name__))
 
 
 def _make(datacls: type, values: dict[str, Any], owner: str):

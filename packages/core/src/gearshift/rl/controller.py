@@ -23,6 +23,7 @@ from . import checkpoint
 from .config import Config, ConfigError
 from .engines import (
     build_critic, build_policy, build_reference, build_resharder, build_reward_model, build_rollout, check_context,
+    check_options,
 )
 from ..hybrid import HybridActor
 from ..profiler import device_used_bytes, step_peak_bytes
@@ -58,6 +59,7 @@ class Controller:
         for kind, name in (("train", cfg.train.backend), ("rollout", cfg.rollout.backend),
                            ("reshard", cfg.resharder())):
             registry.load(kind, name)
+        check_options(cfg)
         if cfg.model.lora.adapter_sync and not registry.load("rollout", cfg.rollout.backend).can_load_adapters:
             raise ConfigError(f"model.lora.sync=adapter: rollout.backend={cfg.rollout.backend} cannot serve LoRA "
                               f"adapters; use a backend that can (vllm), or model.lora.sync=merged")

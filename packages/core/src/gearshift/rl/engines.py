@@ -36,6 +36,20 @@ def build_reference(cfg: Config, model_path: str, **override: Any):
     return registry.create("train", cfg.train.backend, **{**train_options(cfg, model_path), **override})
 
 
+def check_options(cfg: Config) -> None:
+    """Every key of `train.options` and `rollout.options` names an option of its backend, with a value of its
+    type: a typo fails before anything is built, not when that engine's turn comes (the rollout engine is
+    built after the trainer has loaded the model)."""
+    from ..options import OptionError, check_options as check_engine_options
+
+    for kind in ("train", "rollout"):
+        section = getattr(cfg, kind)
+        try:
+            check_engine_options(registry.load(kind, section.backend), dict(section.options))
+        except OptionError as err:
+            raise ConfigError(f"{kind}.options: {kind} backend {section.backend!r}: {err}") from None
+
+
 def check_context(cfg: Config, model_path: str) -> None:
     """Prompt and completion must fit the model's context, before anything is built."""
     from transformers import AutoConfig

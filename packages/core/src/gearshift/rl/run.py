@@ -81,11 +81,13 @@ def check_config(cfg: Config) -> str:
     the backends installed, the model a folder or known preset, the data files present. Raises on a problem."""
     from .. import registry
     from ..models import known_model, unknown_model
+    from .engines import check_options
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
     cfg.validate(world, reward_given=False)
     for kind, name in (("train", cfg.train.backend), ("rollout", cfg.rollout.backend), ("reshard", cfg.resharder())):
         registry.load(kind, name)
+    check_options(cfg)
     for key, model in (("model.path", cfg.model.path), ("reward.model", cfg.reward.model)):
         if model and not known_model(model):
             raise ConfigError(f"{key}: {unknown_model(model)}")

@@ -29,14 +29,13 @@ from typing import Any, Callable
 
 import torch
 
-from ... import registry
 from ...profiler import Phase, SwitchReport
 from ...reshard import plan_between_pools
 from ...rollout import Rollout
 from .. import checkpoint
 from ..agent import Agent, episode_metrics
 from ..config import Config, ConfigError
-from ..engines import check_context
+from ..engines import check_context, check_options
 from ..metrics import MetricsLogger, plot_rewards
 from ..scoring import Scorer
 from .cluster import Calls, Pool, WorkerError, WorkerLost, cluster_gpus, connect, import_ray
@@ -84,8 +83,7 @@ class SplitController:
         self.config = cfg = config.validate(1, reward_given=reward_fn is not None)
         if cfg.run.placement != "split":
             raise ConfigError(f"SplitController runs run.placement=split, not {cfg.run.placement!r}")
-        for kind, name in (("train", cfg.train.backend), ("rollout", cfg.rollout.backend)):
-            registry.load(kind, name)  # a missing or ambiguous backend fails here, before any worker starts
+        check_options(cfg)  # a missing or ambiguous backend, or an option it lacks, fails before any worker starts
         random.seed(cfg.run.seed)
         torch.manual_seed(cfg.run.seed)
         self.out = Path(cfg.run.output_dir)
