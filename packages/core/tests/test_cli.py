@@ -99,3 +99,22 @@ def test_check_names_an_engine_option_the_backend_lacks(capsys):
     assert "rollout.options: rollout backend 'hf': HFRolloutEngine has no option 'max_batch_sise'" in err
     assert main(["train", "rollout.backend=hf", "train.backend=torch", "rollout.options.max_batch_size=8",
                  "--check"]) == 0
+
+
+def test_check_reads_the_data_and_loads_the_reward(tmp_path, capsys, monkeypatch):
+    from gearshift.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "rw.py").write_text("def score(completion, **row):\n    return 1.0\n")
+    (tmp_path / "ok.jsonl").write_text('{"prompt": "1+1=", "answer": "2"}\n')
+    (tmp_path / "bad.jsonl").write_text('{"prompt": "1+1=", "answer": "2"}\nnot json\n')
+    def run(*overrides):
+        return main(["train", "rollout.backend=hf", "train.backend=torch", *overrides, "--check"])
+
+    assert run("data.path=ok.jsonl", "reward.fn=rw.py:score") == 0
+    assert run("data.path=bad.jsonl", "reward.fn=rw.py:score") == 2
+    assert "bad.jsonl:2: not valid JSON" in capsys.readouterr().err
+    assert run("data.path=ok.jsonl", "reward.fn=rw.py:scor") == 2
+    assert "rw.py has no function 'scor'; it offers: score" in capsys.readouterr().err
+    assert run("algorithm.advantage=grp") == 2
+    assert "did you mean 'grpo'" in capsys.readouterr().err

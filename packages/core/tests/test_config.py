@@ -1,3 +1,5 @@
+import re
+
 import pytest
 
 from gearshift.rl.config import Config, ConfigError, build_config, load_config
@@ -307,3 +309,37 @@ def test_an_engine_option_its_backend_lacks_fails_before_anything_is_built(monke
     with pytest.raises(ConfigError, match="has no option 'max_batch_sise'"):
         Trainer(model="tiny", rollout={"backend": "hf", "options": {"max_batch_sise": 8}},
                 train={"backend": "torch"}).train()
+
+
+@pytest.mark.parametrize("override,message", [
+    ("algorithm.kl_coef=-0.1", "kl_coef=-0.1 must be >= 0"),
+    ("algorithm.entropy_coef=-0.01", "entropy_coef=-0.01 must be >= 0"),
+    ("algorithm.clip_low=1.5", "clip_low=1.5 must be < 1"),
+    ("algorithm.clip_high=-0.2", "clip_high=-0.2 must be >= 0"),
+    ("algorithm.gamma=2", "gamma=2.0 must be within [0, 1]"),
+    ("algorithm.lam=-0.5", "lam=-0.5 must be within [0, 1]"),
+    ("algorithm.critic_lr=0", "critic_lr=0.0 must be > 0"),
+    ("algorithm.value_clip=-1", "value_clip=-1.0 must be > 0"),
+])
+def test_algorithm_values_out_of_range_are_refused(override, message):
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        load_config(None, [override]).validate()
+
+
+def test_algorithm_names_that_are_not_registered_fail_before_anything_is_built():
+    from gearshift.rl.algos import ADVANTAGES, grpo
+    from gearshift.rl.learner import check_algorithm
+
+    check_algorithm(load_config(None, []))
+    with pytest.raises(ConfigError, match=r"algorithm.advantage: unknown advantage estimator 'grp' \(did you mean "
+                                          r"'grpo'\?\)"):
+        check_algorithm(load_config(None, ["algorithm.advantage=grp"]))
+    with pytest.raises(ConfigError, match="unknown policy loss 'ppo'"):
+        check_algorithm(load_config(None, ["algorithm.policy_loss=ppo"]))
+    with pytest.raises(ConfigError, match="unknown KL estimator 'k9'"):
+        check_algorithm(load_config(None, ["algorithm.kl_estimator=k9", "algorithm.kl_coef=0.1"]))
+    ADVANTAGES.register("my_grpo")(grpo)  # registered from Python before the run: it counts
+    try:
+        check_algorithm(load_config(None, ["algorithm.advantage=my_grpo"]))
+    finally:
+        ADVANTAGES._fns.pop("my_grpo")

@@ -28,7 +28,7 @@ from .engines import (
 from ..hybrid import HybridActor
 from ..profiler import device_used_bytes, step_peak_bytes
 from .agent import Agent, episode_metrics
-from .learner import Learner
+from .learner import Learner, check_algorithm
 from .metrics import MetricsLogger, plot_rewards
 from .scoring import Scorer
 from .shares import Shares
@@ -70,10 +70,9 @@ class Controller:
         self.model_path = gdist.broadcast_object(self.model_path)
         check_context(cfg, self.model_path)
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
-        rule = reward_fn or cfg.reward.rule(cfg.data)  # none when a reward model alone scores
-        if reward_fn is None and cfg.data.path and cfg.agent.environment and not cfg.reward.fn:
-            rule = None  # the environment owns the reward
+        rule = reward_fn or cfg.reward_rule()  # none when a reward model or the environment alone scores
         reward = load_reward(rule) if rule else None
+        check_algorithm(cfg)  # after the reward's module: what it registers counts
         key = cfg.data.prompt_key
         self.data = (as_prompt_dataset(dataset, prompt_key=key, seed=cfg.data.seed) if dataset is not None
                      else PromptDataset.from_config(cfg.data))

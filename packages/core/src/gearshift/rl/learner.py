@@ -52,6 +52,32 @@ def episode_loss_mask(rollouts: Sequence[Rollout], mask: torch.Tensor) -> torch.
     return mask * response_logprobs(rollouts, own, mask)
 
 
+def policy_loss_of(config: Config):
+    """The loss `algorithm` names, its options checked (the loss, the KL estimator and their options)."""
+    a = config.algorithm
+    return make_policy_loss_fn(
+        a.policy_loss, kl_coef=a.kl_coef if a.kl_in == "loss" else 0.0, kl_estimator=a.kl_estimator,
+        kl_in_loss=a.kl_in == "loss", entropy_coef=a.entropy_coef, agg=a.loss_agg,
+        **({"clip_low": a.clip_low, "clip_high": a.clip_high} if a.policy_loss == "ppo_clip" else {}),
+    )
+
+
+def check_algorithm(config: Config) -> None:
+    """The estimator, loss and KL estimator `algorithm` names are registered, before anything is built (a
+    name registered from Python, or by a module the run imports, counts once it is registered)."""
+    from .algos import ADVANTAGES
+    from .config import ConfigError
+
+    try:
+        ADVANTAGES.get(config.algorithm.estimator())
+    except ValueError as err:
+        raise ConfigError(f"algorithm.advantage: {err}") from None
+    try:
+        policy_loss_of(config)
+    except ValueError as err:  # the loss, its options or the KL estimator
+        raise ConfigError(f"algorithm: {err}") from None
+
+
 class Learner:
     """The policy, and the reference and critic when the algorithm has them, and how one step updates them."""
 
@@ -59,12 +85,8 @@ class Learner:
                  critic: TrainEngine | None = None, pad_id: int = 0) -> None:
         a = config.algorithm
         self.config, self.policy, self.reference, self.critic, self.pad_id = config, policy, reference, critic, pad_id
-        self.advantage = a.advantage or ("gae" if a.name == "ppo" else "grpo")
-        self.policy_loss = make_policy_loss_fn(
-            a.policy_loss, kl_coef=a.kl_coef if a.kl_in == "loss" else 0.0, kl_estimator=a.kl_estimator,
-            kl_in_loss=a.kl_in == "loss", entropy_coef=a.entropy_coef, agg=a.loss_agg,
-            **({"clip_low": a.clip_low, "clip_high": a.clip_high} if a.policy_loss == "ppo_clip" else {}),
-        )
+        self.advantage = a.estimator()
+        self.policy_loss = policy_loss_of(config)
         self.value_loss = make_value_loss_fn(clip=a.value_clip, agg=a.loss_agg) if critic else None
 
     def engines(self) -> dict[str, TrainEngine]:

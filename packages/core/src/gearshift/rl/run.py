@@ -78,10 +78,14 @@ class Trainer:
 
 def check_config(cfg: Config) -> str:
     """Everything about a run that can be checked without building it: the config's values over this world,
-    the backends installed, the model a folder or known preset, the data files present. Raises on a problem."""
+    the backends installed and the options given them, the model a folder or known preset, every row of the
+    data files, the reward function and the algorithm's registered parts. Raises on a problem."""
     from .. import registry
     from ..models import known_model, unknown_model
+    from .data import read_rows
     from .engines import check_options
+    from .learner import check_algorithm
+    from .rewards import load_reward
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
     cfg.validate(world, reward_given=False)
@@ -100,6 +104,11 @@ def check_config(cfg: Config) -> str:
     for key, path in (("data.path", cfg.data.path), ("data.val_path", cfg.data.val_path)):
         if path and not os.path.isfile(path):
             raise ConfigError(f"{key}={path!r}: no such file")
+        if path:
+            read_rows(path, prompt_key=cfg.data.prompt_key)  # every row parsed, its prompt checked
+    if cfg.reward_rule():
+        load_reward(cfg.reward_rule())
+    check_algorithm(cfg)
     pools = cfg.run.pools
     where = (f"split over {pools.train} train and {pools.rollout} rollout workers" if cfg.run.placement == "split"
              else f"colocated on {world} rank{'s' if world > 1 else ''}")
@@ -114,7 +123,8 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--print-config", action="store_true",
                         help="print the resolved config, each key with its help, and exit")
     parser.add_argument("--check", action="store_true",
-                        help="check that the config can run (keys, values, backends, model, data) and exit")
+                        help="check that the config can run (keys, values, backends and their options, model, data rows, "
+                             "reward, algorithm) and exit")
     parser.add_argument("--export", metavar="DIR", help="write the final policy as a Hugging Face folder")
 
 

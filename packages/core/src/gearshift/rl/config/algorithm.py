@@ -82,6 +82,17 @@ class AlgorithmConfig(Section):
         if not self.rollout_correction_cap >= 1:
             found.append(f"{at}rollout_correction_cap={self.rollout_correction_cap} must be >= 1 "
                          f"(tis: weights at most C; mis: ratios kept in [1/C, C])")
+        for key in ("kl_coef", "entropy_coef", "clip_low", "clip_high"):
+            if not getattr(self, key) >= 0:
+                found.append(f"{at}{key}={getattr(self, key)} must be >= 0")
+        if not self.clip_low < 1:
+            found.append(f"{at}clip_low={self.clip_low} must be < 1 (the ratio's lower clip is 1 - clip_low)")
+        for key in ("gamma", "lam"):
+            if not 0 <= getattr(self, key) <= 1:
+                found.append(f"{at}{key}={getattr(self, key)} must be within [0, 1]")
+        for key in ("critic_lr", "value_clip"):
+            if not getattr(self, key) > 0:
+                found.append(f"{at}{key}={getattr(self, key)} must be > 0")
         for key in ("critic_warmup", "off_policy_steps"):
             if getattr(self, key) < 0:
                 found.append(f"{at}{key}={getattr(self, key)} must be >= 0")

@@ -187,6 +187,13 @@ class Config(Section):
         """The rollout engine's dtype: `rollout.dtype`, or training's (`model.dtype`)."""
         return self.rollout.dtype or self.model.dtype
 
+    def reward_rule(self) -> str | None:
+        """The reward function the run scores with (`reward.rule`), or None where the environment of a
+        dataset's episodes gives the reward and no `reward.fn` is set."""
+        if self.data.path and self.agent.environment and not self.reward.fn:
+            return None
+        return self.reward.rule(self.data)
+
     def builtin_task(self) -> str | None:
         """The built-in task the rows come from (`data.task`), or None when `data.path` names a dataset."""
         return None if self.data.path else self.data.task

@@ -36,6 +36,7 @@ from .. import checkpoint
 from ..agent import Agent, episode_metrics
 from ..config import Config, ConfigError
 from ..engines import check_context, check_options
+from ..learner import check_algorithm
 from ..metrics import MetricsLogger, plot_rewards
 from ..scoring import Scorer
 from .cluster import Calls, Pool, WorkerError, WorkerLost, cluster_gpus, connect, import_ray
@@ -90,10 +91,9 @@ class SplitController:
         self.model_path = resolve_model(cfg.model.path)
         check_context(cfg, self.model_path)
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
-        rule = reward_fn or cfg.reward.rule(cfg.data)
-        if reward_fn is None and cfg.data.path and cfg.agent.environment and not cfg.reward.fn:
-            rule = None  # the environment owns the reward
+        rule = reward_fn or cfg.reward_rule()
         self.scorer = Scorer(cfg, self.tokenizer, load_reward(rule) if rule else None)
+        check_algorithm(cfg)
         self.data = (as_prompt_dataset(dataset, prompt_key=cfg.data.prompt_key, seed=cfg.data.seed)
                      if dataset is not None else PromptDataset.from_config(cfg.data))
         if self.scorer.reward_fn is not None:
