@@ -343,3 +343,13 @@ def test_algorithm_names_that_are_not_registered_fail_before_anything_is_built()
         check_algorithm(load_config(None, ["algorithm.advantage=my_grpo"]))
     finally:
         ADVANTAGES._fns.pop("my_grpo")
+
+
+def test_a_resharder_option_it_does_not_take_fails_before_anything_is_built():
+    from gearshift.rl.engines import check_options
+
+    check_options(load_config(None, ["rollout.backend=hf", "train.backend=torch"]))
+    with pytest.raises(ConfigError, match="switch.options: reshard backend 'stream': .*unexpected keyword "
+                                          "argument 'bucket_size'"):
+        check_options(load_config(None, ["rollout.backend=hf", "train.backend=torch",
+                                         'switch.options={"bucket_size": 8}']))

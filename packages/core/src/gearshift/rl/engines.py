@@ -8,6 +8,7 @@ options.
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 from .. import registry
@@ -38,7 +39,7 @@ def build_reference(cfg: Config, model_path: str, **override: Any):
 
 def check_options(cfg: Config) -> None:
     """Every key of `train.options` and `rollout.options` names an option of its backend, with a value of its
-    type: a typo fails before anything is built, not when that engine's turn comes (the rollout engine is
+    type, and every key of `switch.options` one its resharder takes: a typo fails before anything is built, not when that engine's turn comes (the rollout engine is
     built after the trainer has loaded the model)."""
     from ..options import OptionError, check_options as check_engine_options
 
@@ -48,6 +49,11 @@ def check_options(cfg: Config) -> None:
             check_engine_options(registry.load(kind, section.backend), dict(section.options))
         except OptionError as err:
             raise ConfigError(f"{kind}.options: {kind} backend {section.backend!r}: {err}") from None
+    name = cfg.resharder()
+    try:  # a resharder takes its options as keywords of its constructor
+        inspect.signature(registry.load("reshard", name)).bind_partial(**cfg.switch.options)
+    except TypeError as err:
+        raise ConfigError(f"switch.options: reshard backend {name!r}: {err}") from None
 
 
 def check_context(cfg: Config, model_path: str) -> None:
