@@ -118,3 +118,15 @@ def test_check_reads_the_data_and_loads_the_reward(tmp_path, capsys, monkeypatch
     assert "rw.py has no function 'scor'; it offers: score" in capsys.readouterr().err
     assert run("algorithm.advantage=grp") == 2
     assert "did you mean 'grpo'" in capsys.readouterr().err
+
+
+def test_engine_options_given_as_json_that_is_not_an_object_name_their_flag(capsys):
+    from gearshift.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["bench", "rollout", "--backends", "hf", "--options", "{bad"])
+    assert e.value.code == 2
+    assert "argument --options: '{bad' is not JSON" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["conformance", "--train", "torch", "--train-options", "[1]"])
+    assert "argument --train-options: '[1]' is not a JSON object" in capsys.readouterr().err

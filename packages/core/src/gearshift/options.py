@@ -18,9 +18,11 @@ options. `gearshift backends NAME` prints them with their types and defaults.
 
 from __future__ import annotations
 
+import argparse
 import copy
 import dataclasses
 import inspect
+import json
 import types
 import typing
 from dataclasses import dataclass, field
@@ -173,6 +175,19 @@ def parse_options(cls: type, kwargs: dict[str, Any]) -> tuple[EngineArgs, Any]:
     _no_unknown(cls, kwargs)
     return (_make(cls.Args, {k: v for k, v in kwargs.items() if k in common}, cls.__name__),
             _make(cls.Options, {k: v for k, v in kwargs.items() if k in own}, cls.__name__))
+
+
+def json_object(text: str) -> dict[str, Any]:
+    """Engine options written on a command line as a JSON object (`--options '{"hf": {"max_batch_size": 8}}'`):
+    an argparse type, so a malformed one is an error naming its flag."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise argparse.ArgumentTypeError(f"{text!r} is not JSON ({err}); write an object: "
+                                         f"'{{\"name\": value}}'") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a JSON object; write one: '{{\"name\": value}}'")
+    return value
 
 
 def check_options(cls: type, options: dict[str, Any]) -> None:

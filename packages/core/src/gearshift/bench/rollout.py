@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 
 from .. import registry
+from ..options import json_object
 from ..rollout import SamplingParams
 from .report import print_rows
 from .timing import resolve_once
@@ -43,11 +43,11 @@ def add_rollout_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--n", type=int, default=4, help="samples per prompt")
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--options", default="{}", help="JSON: {backend: {engine options}}")
+    p.add_argument("--options", type=json_object, default="{}", help="JSON: {backend: {engine options}}")
 
 
 def bench_rollout(args: argparse.Namespace) -> int:
     names = [n.strip() for n in args.backends.split(",") if n.strip()]
     print_rows(measure_rollout(names, args.model, args.prompts, args.n, args.max_tokens, args.repeats,
-                               json.loads(args.options)))
+                               args.options))
     return 0

@@ -19,6 +19,7 @@ import torch
 
 from .. import dist as gdist, registry
 from ..hybrid import HybridActor
+from ..options import json_object
 from ..profiler import SwitchReport, median_report
 from ..reshard import AdapterResharder, NaiveResharder, StreamingResharder, export_weights
 from ..weights import WeightBucket
@@ -200,8 +201,8 @@ def add_switch_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--offload", default="auto",
                    help="auto (move only what memory asks for; default), none, or tags to move every switch "
                         "(e.g. optimizer,grads: the rollout engine then sleeps and wakes every switch)")
-    p.add_argument("--train-options", default="{}", help="JSON options for the train engine")
-    p.add_argument("--rollout-options", default="{}", help="JSON options for the rollout engine")
+    p.add_argument("--train-options", type=json_object, default="{}", help="JSON options for the train engine")
+    p.add_argument("--rollout-options", type=json_object, default="{}", help="JSON options for the rollout engine")
     p.add_argument("--lora-r", type=int, default=0,
                    help="train LoRA adapters of this rank: the sync sends merged weights, and a rollout engine "
                         "that serves adapters (vllm) is also measured taking the adapter alone")
@@ -214,7 +215,7 @@ def add_switch_arguments(p: argparse.ArgumentParser) -> None:
 def bench_switch(args: argparse.Namespace) -> int:
     share, offload = switch_settings(args.share, args.offload)
     bench = measure_switch(args.train, args.rollout, args.model, args.switches, args.naive_switches,
-                           json.loads(args.train_options), json.loads(args.rollout_options),
+                           args.train_options, args.rollout_options,
                            share=share, offload=offload, lora_r=args.lora_r, against_whole=args.against_whole)
     if gdist.rank() == 0:
         out = Path(args.out)

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import argparse
-import json
 
 import torch
 
 from .. import dist as gdist, registry
+from ..options import json_object
 from ..profiler import peak_memory_bytes, reset_peak_memory
 from .report import print_rows
 from .timing import median_seconds, resolve_once
@@ -105,7 +105,7 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
                         "rows; N: rows packed by length into N tokens (--micro-batch-size 8 --seq-len 256 "
                         "--max-tokens-per-micro-batch 0,2048 puts the two under the same memory bound side by side)")
     p.add_argument("--steps", type=int, default=3)
-    p.add_argument("--options", default="{}", help="JSON: {backend: {engine options}}")
+    p.add_argument("--options", type=json_object, default="{}", help="JSON: {backend: {engine options}}")
     p.add_argument("--mesh", action="append", default=None,
                    help="a train mesh to measure (repeat for several, e.g. --mesh dp=2 --mesh sp=2 under torchrun); "
                         "default: the backend's own")
@@ -114,7 +114,7 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
 def bench_train(args: argparse.Namespace) -> int:
     names = [n.strip() for n in args.backends.split(",") if n.strip()]
     budgets = tuple(int(b) for b in args.max_tokens_per_micro_batch.split(",") if b.strip())
-    print_rows(measure_train(names, args.model, args.batch_size, args.seq_len, args.steps, json.loads(args.options),
+    print_rows(measure_train(names, args.model, args.batch_size, args.seq_len, args.steps, args.options,
                              min_len=args.min_len, micro_batch_size=args.micro_batch_size,
                              token_budgets=budgets or (0,), meshes=tuple(args.mesh or ("",))))
     return 0

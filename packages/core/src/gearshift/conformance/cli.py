@@ -5,13 +5,15 @@ from __future__ import annotations
 import argparse
 import json
 
+from ..options import json_object
+
 
 def add_conformance_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--train", help="train backend to check (its contracts, and the pair's with --rollout)")
     p.add_argument("--rollout", help="rollout backend to check")
     p.add_argument("--model", default="tiny", help="model folder or preset (default tiny; fp32)")
-    p.add_argument("--train-options", default="{}", help="JSON options for the train engine")
-    p.add_argument("--rollout-options", default="{}", help="JSON options for the rollout engine")
+    p.add_argument("--train-options", type=json_object, default="{}", help="JSON options for the train engine")
+    p.add_argument("--rollout-options", type=json_object, default="{}", help="JSON options for the rollout engine")
     p.add_argument("--atol", type=float, help="log-probability tolerance (default: the fp32 values of the suite)")
     p.add_argument("--budget", help="override the switch budgets, e.g. k=2,m=3 (see gearshift/budgets.yaml)")
     p.add_argument("pytest_args", nargs=argparse.REMAINDER, help="after '--': arguments for pytest (e.g. -x -k sync)")
@@ -34,7 +36,7 @@ def conformance_command(args: argparse.Namespace) -> int:
     classes = (selected["train"] if args.train else []) + (selected["rollout"] if args.rollout else [])
     if args.train and args.rollout:
         classes.append("TestPair")
-    options = {"train": json.loads(args.train_options), "rollout": json.loads(args.rollout_options)}
+    options = {"train": args.train_options, "rollout": args.rollout_options}
     argv = ["-p", "gearshift.conformance.plugin", "--pyargs", "gearshift.conformance.by_name",
             "-k", " or ".join(classes),
             "--gearshift-model", args.model, "--gearshift-options", json.dumps(options), "-p", "no:cacheprovider",
