@@ -5,8 +5,9 @@ They apply when `train.share_prompts` asks (None: on a CPU, for a batch where pa
 running its rows apart: `shared_prefix.sharing_pays`) and nothing refuses them: a critic, a sharding
 whose forward takes no packed rows (FSDP under Ulysses), an attention implementation that takes no 4-D mask,
 a sliding window the mask would replace. The first forward runs two rows of one prompt packed and apart
-and compares them, every rank at once: a model that applies a mask of its own instead of the one given turns
-sharing off with a warning, or, when it was asked for, stops with an error.
+and compares them, every rank at once: a model that applies a mask of its own instead of the one given, or
+whose forward refuses a 4-D mask (Bloom's reads it as 2-D), turns sharing off with a warning, or, when it was
+asked for, stops with an error.
 """
 
 from __future__ import annotations
@@ -95,7 +96,7 @@ class PromptSharing:
     def check(self, batch: TrainBatch, model: nn.Module, device: torch.device) -> None:
         """Run two rows of one prompt (from `batch`'s first row) packed and apart, once; sets `holds`."""
         row = batch.input_ids[0, :int(batch.lengths[0])]
-        ok, gap = True, None
+        ok, gap, refused = True, None, None
         if len(row) >= 2:
             p = max(1, len(row) // 2)
             pair = TrainBatch.from_sequences([row[:p].tolist()] * 2, [row[p:].tolist(), row[p:].flip(0).tolist()])
@@ -104,23 +105,34 @@ class PromptSharing:
             model.eval()
             try:
                 apart = self.sharding.forward(model, pair, False, False).logprobs
-                packed = self.sharding.forward(model, pair, False, False, layout=layout(pair),
-                                               mask_kind=self.mask_kind).logprobs
+                try:
+                    packed = self.sharding.forward(model, pair, False, False, layout=layout(pair),
+                                                   mask_kind=self.mask_kind).logprobs
+                except (ValueError, RuntimeError, TypeError, IndexError) as err:  # e.g. Bloom reads a 2-D mask
+                    packed, refused = None, f"{type(err).__name__}: {err}"
             finally:
                 model.train(was)
                 self.sharding.release(model)
-            gap = float((apart - packed).abs().mul(pair.attention_mask).max())
-            ok = gap <= self.tolerance
+            if packed is None:
+                ok = False
+            else:
+                gap = float((apart - packed).abs().mul(pair.attention_mask).max())
+                ok = gap <= self.tolerance
         if self.mesh.world_size > 1 and gdist.is_distributed():  # every rank decides alike
             flag = torch.tensor([1 if ok else 0], device=gdist.collective_device())
             dist.all_reduce(flag, op=dist.ReduceOp.MIN)
             ok = bool(flag.item())
         self.holds = ok
         if not ok:
-            what = (f"the model's log-probabilities differ by {gap:.3g} between two rows of one prompt run apart "
-                    f"and packed" if gap is not None and gap > self.tolerance else "another rank's check failed")
+            if refused:
+                what = f"the model's forward refused the packed rows' 4-D attention mask ({refused})"
+            elif gap is not None and gap > self.tolerance:
+                what = (f"the model's log-probabilities differ by {gap:.3g} between two rows of one prompt run "
+                        f"apart and packed")
+            else:
+                what = "another rank's check failed"
             if self.asked:
-                raise RuntimeError(f"train.share_prompts=true, but {what}: the model does not take the packed "
+                raise ValueError(f"train.share_prompts=true, but {what}: the model does not take the packed "
                                    f"rows' attention mask; set train.share_prompts=false")
             warnings.warn(f"shared prompts turned off: {what}", stacklevel=3)
 
