@@ -353,3 +353,15 @@ def test_a_resharder_option_it_does_not_take_fails_before_anything_is_built():
                                           "argument 'bucket_size'"):
         check_options(load_config(None, ["rollout.backend=hf", "train.backend=torch",
                                          'switch.options={"bucket_size": 8}']))
+
+
+def test_a_model_folder_without_a_tokenizer_is_named_before_anything_is_built(gearshift_model, tmp_path):
+    import shutil
+
+    from gearshift.rl.engines import TOKENIZER_FILES, check_context
+
+    check_context(load_config(None, []), gearshift_model)
+    bare = tmp_path / "bare"
+    shutil.copytree(gearshift_model, bare, ignore=shutil.ignore_patterns(*TOKENIZER_FILES))
+    with pytest.raises(ConfigError, match="has no tokenizer .*copy the model's tokenizer files"):
+        check_context(load_config(None, []), str(bare))  # transformers would make one that yields no tokens

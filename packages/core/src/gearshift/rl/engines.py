@@ -9,6 +9,7 @@ options.
 from __future__ import annotations
 
 import inspect
+import os
 from typing import Any
 
 from .. import registry
@@ -56,10 +57,20 @@ def check_options(cfg: Config) -> None:
         raise ConfigError(f"switch.options: reshard backend {name!r}: {err}") from None
 
 
+#: the files of which a Hugging Face folder's tokenizer loads (fast, sentencepiece, BPE, WordPiece)
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt",
+                   "spiece.model")
+
+
 def check_context(cfg: Config, model_path: str) -> None:
-    """Prompt and completion must fit the model's context, before anything is built."""
+    """The model's folder holds a tokenizer, and prompt and completion fit its context, before anything is built.
+
+    Without a tokenizer's files transformers still makes one, which turns every prompt into no tokens."""
     from transformers import AutoConfig
 
+    if os.path.isdir(model_path) and not any(os.path.exists(os.path.join(model_path, f)) for f in TOKENIZER_FILES):
+        raise ConfigError(f"model.path={model_path!r} has no tokenizer (none of {', '.join(TOKENIZER_FILES)}): "
+                          f"copy the model's tokenizer files into the folder (tokenizer.save_pretrained(folder))")
     model_config = AutoConfig.from_pretrained(model_path)
     context = cfg.rollout.max_model_len or getattr(model_config, "max_position_embeddings", None) or \
         getattr(model_config, "n_positions", None)
