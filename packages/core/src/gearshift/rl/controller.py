@@ -55,11 +55,7 @@ class Controller:
         self.config = config.validate(self.world, reward_given=reward_fn is not None,
                                       eval_given=eval_dataset is not None)
         cfg = self.config
-        # every backend is found before anything is built: a missing or ambiguous one fails first
-        for kind, name in (("train", cfg.train.backend), ("rollout", cfg.rollout.backend),
-                           ("reshard", cfg.resharder())):
-            registry.load(kind, name)
-        check_options(cfg)
+        check_options(cfg)  # every backend found, and given only options it has, before anything is built
         if cfg.model.lora.adapter_sync and not registry.load("rollout", cfg.rollout.backend).can_load_adapters:
             raise ConfigError(f"model.lora.sync=adapter: rollout.backend={cfg.rollout.backend} cannot serve LoRA "
                               f"adapters; use a backend that can (vllm), or model.lora.sync=merged")

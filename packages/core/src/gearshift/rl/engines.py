@@ -39,9 +39,10 @@ def build_reference(cfg: Config, model_path: str, **override: Any):
 
 
 def check_options(cfg: Config) -> None:
-    """Every key of `train.options` and `rollout.options` names an option of its backend, with a value of its
-    type, and every key of `switch.options` one its resharder takes: a typo fails before anything is built, not when that engine's turn comes (the rollout engine is
-    built after the trainer has loaded the model)."""
+    """The train, rollout and reshard backends are installed; every key of `train.options` and `rollout.options`
+    names an option of its backend, with a value of its type, and every key of `switch.options` one its
+    resharder takes. A typo fails before anything is built, not when that engine's turn comes (the rollout
+    engine is built after the trainer has loaded the model)."""
     from ..options import OptionError, check_options as check_engine_options
 
     for kind in ("train", "rollout"):

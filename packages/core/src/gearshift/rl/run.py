@@ -80,7 +80,6 @@ def check_config(cfg: Config) -> str:
     """Everything about a run that can be checked without building it: the config's values over this world,
     the backends installed and the options given them, the model a folder or known preset, every row of the
     data files, the reward function and the algorithm's registered parts. Raises on a problem."""
-    from .. import registry
     from ..models import known_model, unknown_model
     from .data import read_rows
     from .engines import check_options
@@ -89,9 +88,7 @@ def check_config(cfg: Config) -> str:
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
     cfg.validate(world, reward_given=False)
-    for kind, name in (("train", cfg.train.backend), ("rollout", cfg.rollout.backend), ("reshard", cfg.resharder())):
-        registry.load(kind, name)
-    check_options(cfg)
+    check_options(cfg)  # the backends installed, and given only options they have
     for key, model in (("model.path", cfg.model.path), ("reward.model", cfg.reward.model)):
         if model and not known_model(model):
             raise ConfigError(f"{key}: {unknown_model(model)}")
@@ -106,8 +103,9 @@ def check_config(cfg: Config) -> str:
             raise ConfigError(f"{key}={path!r}: no such file")
         if path:
             read_rows(path, prompt_key=cfg.data.prompt_key)  # every row parsed, its prompt checked
-    if cfg.reward_rule():
-        load_reward(cfg.reward_rule())
+    rule = cfg.reward_rule()
+    if rule:
+        load_reward(rule)
     check_algorithm(cfg)
     pools = cfg.run.pools
     where = (f"split over {pools.train} train and {pools.rollout} rollout workers" if cfg.run.placement == "split"
