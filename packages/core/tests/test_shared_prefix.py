@@ -121,29 +121,36 @@ def test_a_cpu_shares_prompts_by_default_and_a_gpu_only_when_asked(gearshift_mod
     assert engine(gearshift_model, share_prompts=False).shares_prompts() is False
 
 
+def _sharing_turns_off(model, hook, warned: str, refused: str) -> None:
+    """An engine whose model runs under `hook` trains its rows apart, with a warning matching `warned`, to the
+    loss of an engine that never shares; asked to share, it fails with an error matching `refused`."""
+    batch = grpo_batch()
+    loss_fn = make_policy_loss_fn("ppo_clip")
+    apart = engine(model, share_prompts=False).train_step(batch, loss_fn)
+    auto = engine(model)
+    auto.model.register_forward_pre_hook(hook, with_kwargs=True)
+    with pytest.warns(UserWarning, match=warned):
+        metrics = auto.train_step(batch, loss_fn)
+    assert auto.prompt_sharing.holds is False and not auto.shares_prompts()
+    assert metrics["shared_frac"] == 0 and metrics["loss"] == pytest.approx(apart["loss"], rel=1e-5)
+    asked = engine(model, share_prompts=True)
+    asked.model.register_forward_pre_hook(hook, with_kwargs=True)
+    with pytest.raises(ValueError, match=refused):
+        asked.train_step(batch, loss_fn)
+
+
 def test_a_model_that_ignores_the_mask_turns_sharing_off_or_fails_when_asked(gearshift_model):
     def own_mask(module, args, kwargs):  # a model that makes its own causal mask whatever it is given
         if kwargs.get("attention_mask") is not None and kwargs["attention_mask"].dim() == 4:
             kwargs["attention_mask"] = None
         return args, kwargs
 
-    batch = grpo_batch()
-    loss_fn = make_policy_loss_fn("ppo_clip")
-    apart = engine(gearshift_model, share_prompts=False).train_step(batch, loss_fn)
-    auto = engine(gearshift_model)
-    auto.model.register_forward_pre_hook(own_mask, with_kwargs=True)
-    with pytest.warns(UserWarning, match="shared prompts turned off: .*differ by"):
-        metrics = auto.train_step(batch, loss_fn)
-    assert auto.prompt_sharing.holds is False and not auto.shares_prompts()
-    assert metrics["shared_frac"] == 0 and metrics["loss"] == pytest.approx(apart["loss"], rel=1e-5)
-    asked = engine(gearshift_model, share_prompts=True)
-    asked.model.register_forward_pre_hook(own_mask, with_kwargs=True)
-    with pytest.raises(ValueError, match="does not take the packed rows' attention mask.*share_prompts=false"):
-        asked.train_step(batch, loss_fn)
+    _sharing_turns_off(gearshift_model, own_mask, "shared prompts turned off: .*differ by",
+                       "does not take the packed rows' attention mask.*share_prompts=false")
     with warnings.catch_warnings():  # the hook gone, a fresh engine checks and shares
         warnings.simplefilter("error")
         fresh = engine(gearshift_model)
-        assert fresh.train_step(batch, loss_fn)["shared_frac"] > 0.2
+        assert fresh.train_step(grpo_batch(), make_policy_loss_fn("ppo_clip"))["shared_frac"] > 0.2
 
 
 def test_a_model_whose_forward_refuses_a_4d_mask_trains_its_rows_apart(gearshift_model, tmp_path):
@@ -155,22 +162,12 @@ def test_a_model_whose_forward_refuses_a_4d_mask_trains_its_rows_apart(gearshift
             raise ValueError("too many values to unpack (expected 2)")
         return args, kwargs
 
-    batch = grpo_batch()
-    loss_fn = make_policy_loss_fn("ppo_clip")
-    apart = engine(gearshift_model, share_prompts=False).train_step(batch, loss_fn)
-    auto = engine(gearshift_model)
-    auto.model.register_forward_pre_hook(refuse, with_kwargs=True)
-    with pytest.warns(UserWarning, match="shared prompts turned off: the model's forward refused the packed rows' "
-                                         "4-D attention mask \\(ValueError: too many values"):
-        metrics = auto.train_step(batch, loss_fn)
-    assert metrics["shared_frac"] == 0 and metrics["loss"] == pytest.approx(apart["loss"], rel=1e-5)
-    asked = engine(gearshift_model, share_prompts=True)
-    asked.model.register_forward_pre_hook(refuse, with_kwargs=True)
-    with pytest.raises(ValueError, match="refused the packed rows' 4-D attention mask.*share_prompts=false"):
-        asked.train_step(batch, loss_fn)
+    _sharing_turns_off(gearshift_model, refuse, "shared prompts turned off: the model's forward refused the packed "
+                                                "rows' 4-D attention mask \\(ValueError: too many values",
+                       "refused the packed rows' 4-D attention mask.*share_prompts=false")
     bloom = engine(resolve_model("tiny-bloom", cache_dir=tmp_path))  # the architecture itself
     with pytest.warns(UserWarning, match="refused the packed rows' 4-D attention mask"):
-        assert bloom.train_step(grpo_batch(), loss_fn)["shared_frac"] == 0
+        assert bloom.train_step(grpo_batch(), make_policy_loss_fn("ppo_clip"))["shared_frac"] == 0
 
 
 def test_asking_for_shared_prompts_where_they_cannot_run_fails_at_build(gearshift_model, monkeypatch):

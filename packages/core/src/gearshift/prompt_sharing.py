@@ -109,13 +109,12 @@ class PromptSharing:
                     packed = self.sharding.forward(model, pair, False, False, layout=layout(pair),
                                                    mask_kind=self.mask_kind).logprobs
                 except (ValueError, RuntimeError, TypeError, IndexError) as err:  # e.g. Bloom reads a 2-D mask
-                    packed, refused = None, f"{type(err).__name__}: {err}"
+                    refused = f"{type(err).__name__}: {err}"
             finally:
                 model.train(was)
                 self.sharding.release(model)
-            if packed is None:
-                ok = False
-            else:
+            ok = refused is None
+            if ok:
                 gap = float((apart - packed).abs().mul(pair.attention_mask).max())
                 ok = gap <= self.tolerance
         if self.mesh.world_size > 1 and gdist.is_distributed():  # every rank decides alike
@@ -133,7 +132,7 @@ class PromptSharing:
                 what = "another rank's check failed"
             if self.asked:
                 raise ValueError(f"train.share_prompts=true, but {what}: the model does not take the packed "
-                                   f"rows' attention mask; set train.share_prompts=false")
+                                 f"rows' attention mask; set train.share_prompts=false")
             warnings.warn(f"shared prompts turned off: {what}", stacklevel=3)
 
 
