@@ -121,8 +121,8 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--print-config", action="store_true",
                         help="print the resolved config, each key with its help, and exit")
     parser.add_argument("--check", action="store_true",
-                        help="check that the config can run (keys, values, backends and their options, model, data rows, "
-                             "reward, algorithm) and exit")
+                        help="check that the config can run (keys, values, backends and their options, model, "
+                             "data rows, reward, algorithm) and exit")
     parser.add_argument("--export", metavar="DIR", help="write the final policy as a Hugging Face folder")
 
 
