@@ -155,6 +155,26 @@ def test_torch_cache_goes_back_before_the_rollout_engine_maps_memory(monkeypatch
     assert up.phase("offload") is None, "state and rollout engine fit together once the cache went back"
 
 
+def test_what_the_sync_staged_on_the_device_goes_back_before_the_kv_cache_maps_memory(monkeypatch):
+    from gearshift.reshard import StreamingResharder
+
+    class Staging(StreamingResharder):  # loads through a device copy it frees, as the file round trip does
+        def sync(self, plan, train, rollout, timer=None):
+            report = super().sync(plan, train, rollout, timer)
+            dev.alloc(40 * GiB)
+            dev.release(40 * GiB)
+            return report
+
+    dev = Device(100 * GiB)
+    dev.patch(monkeypatch)
+    trainer = Trainer(dev, {"params": 20 * GiB, "grads": 0, "optimizer": 20 * GiB}, activations=10 * GiB)
+    actor = HybridActor(trainer, Rollout(dev, weights=10 * GiB, kv=35 * GiB), Staging(share=False),
+                        offload=["optimizer"])  # the rollout engine sleeps at every switch to train
+    _cycle(actor, trainer)  # waking the KV cache found 30 GiB free beside 40 GiB cached: out of memory
+    assert all(r.phase("release_cache_after_sync").bytes == 40 * GiB for r in actor.reports[::2])
+    assert dev.events.index("export") < dev.events.index("wake kv_cache")
+
+
 def test_state_moves_only_when_the_rollout_engine_needs_it_and_weights_only_after_the_sync(monkeypatch):
     dev = Device(100 * GiB)
     dev.patch(monkeypatch)

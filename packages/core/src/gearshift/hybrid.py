@@ -167,9 +167,13 @@ class HybridActor:
             with timer.phase("offload_params") as ph:
                 ph.bytes = self._offload(after)
                 self._offloaded_bytes += ph.bytes
-                if self.on_gpu and not self.rollout_awake:
-                    release_cached(self.train.device)
         if not self.rollout_awake:
+            if self.on_gpu:
+                # what the sync staged on the device and freed (a resharder's loaded file, a gathered bucket)
+                # and the params just offloaded sit in torch's cache too: back to the driver before the KV cache
+                # maps memory
+                with timer.phase("release_cache_after_sync") as ph:
+                    ph.bytes = release_cached(self.train.device)
             with timer.phase("wake_kv_cache"):
                 self.rollout.wake(["kv_cache"])
         with timer.phase("reset_cache"):
