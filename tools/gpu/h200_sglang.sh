@@ -9,8 +9,10 @@
 #   bash tools/gpu/h200_sglang.sh bench         gearshift bench switch --train fsdp --rollout sglang at 0.5B and 7B
 #                                              (MODELS=...): sync beside the copy, SGLang's own
 #                                              update_weights_from_tensor, PCIe and naive (one file round
-#                                              trip: 21 s at 7B). A fresh machine's 7B bench takes about
-#                                              4 minutes (preset, SGLang's first graph capture): LIMIT=280 at least
+#                                              trip: 21 s at 7B; NAIVE=0 leaves it out). A fresh machine's 7B
+#                                              bench takes about 4 minutes (preset, SGLang's first graph
+#                                              capture): LIMIT=280 at least. TRAIN_DTYPE=bfloat16: bf16 master
+#                                              weights (the sync then reads half the bytes it reads from fp32)
 #   CELLS=... bash tools/gpu/h200_sglang.sh scenario
 #                                              GRPO cells of tools/gpu/grpo_scenario.py with --rollout sglang,
 #                                              32 prompts x 8 x 256 tokens, 20 steps (0.5B by default)
@@ -46,10 +48,12 @@ for what in "$@"; do
       done ;;
     bench)
       for m in ${MODELS:-qwen2-0.5b qwen2-7b}; do
+        # TRAIN_DTYPE: the trainer's master weights (float32 by default; bfloat16 as the scenario trains 7B)
         timeout "${LIMIT:-280}" python3 -m gearshift bench switch --train fsdp --rollout sglang --model "$m" \
-          --naive-switches 1 --train-options '{"param_dtype": "bfloat16"}' \
-          --rollout-options '{"dtype": "bfloat16"}' --out "$out/bench-$m" 2>&1 \
-          | quiet | tee "$out/bench-$m.log" | tail -24
+          --naive-switches "${NAIVE:-1}" \
+          --train-options "{\"param_dtype\": \"bfloat16\", \"dtype\": \"${TRAIN_DTYPE:-float32}\"}" \
+          --rollout-options '{"dtype": "bfloat16"}' --out "$out/bench-$m${TRAIN_DTYPE:+-$TRAIN_DTYPE}" 2>&1 \
+          | quiet | tee "$out/bench-$m${TRAIN_DTYPE:+-$TRAIN_DTYPE}.log" | tail -24
         stopped "${PIPESTATUS[0]}" "bench $m"
       done ;;
     scenario)
