@@ -43,6 +43,24 @@ def test_the_host_buffer_is_allocated_once_at_the_size_it_holds():
     assert stash.host_bytes == 0
 
 
+def test_host_memory_that_cannot_be_page_locked_is_named_in_a_warning(monkeypatch):
+    from types import SimpleNamespace
+
+    calls = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: SimpleNamespace(
+        cudaHostRegister=lambda ptr, n, flags: calls.append(n) or 2))  # cudaErrorMemoryAllocation
+    stash = HostStash()
+    with pytest.warns(RuntimeWarning, match="could not page-lock .* error 2"):
+        stash.reserve(1 << 20)
+    assert calls and not stash.pinned
+    t = torch.randn(100)
+    keep = t.clone()
+    stash.offload([t])  # still works, through plain host memory
+    stash.restore()
+    assert torch.equal(t, keep)
+
+
 def test_the_memory_plan_moves_only_what_the_rollout_engine_needs_largest_first():
     from gearshift.memory import GiB, plan_offload
 

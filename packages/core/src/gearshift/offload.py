@@ -18,6 +18,7 @@ ways are DMA transfers.
 
 from __future__ import annotations
 
+import warnings
 from typing import Iterable
 
 import torch
@@ -125,11 +126,18 @@ class HostStash:
 
 
 def _register(buffer: torch.Tensor) -> bool:
-    """Page-lock `buffer` where a GPU is present; False (plain host memory) otherwise."""
+    """Page-lock `buffer` where a GPU is present; False (plain host memory) otherwise. A GPU that refuses says
+    so in a warning: copies to and from plain host memory run at a fraction of the speed."""
     if not torch.cuda.is_available() or buffer.numel() == 0:
         return False
     err = torch.cuda.cudart().cudaHostRegister(buffer.data_ptr(), buffer.numel(), 0)
-    return int(getattr(err, "value", err)) == 0
+    code = int(getattr(err, "value", err))
+    if code:
+        warnings.warn(f"gearshift: could not page-lock {buffer.numel() / 2**30:.2f} GiB of host memory for "
+                      f"offloaded state (cudaHostRegister error {code}; `ulimit -l` or the container's locked "
+                      f"memory limit may be too low): offloads copy through plain host memory, several times "
+                      f"slower", RuntimeWarning, stacklevel=3)
+    return code == 0
 
 
 def _synchronize(storages: Iterable[torch.UntypedStorage]) -> None:
