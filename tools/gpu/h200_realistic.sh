@@ -9,6 +9,8 @@
 #   CELLS=... STEPS=20 bash tools/gpu/h200_realistic.sh scenario
 #                                                    GRPO cells of tools/gpu/grpo_scenario.py, 32 prompts x 8
 #   bash tools/gpu/h200_realistic.sh conformance     fsdp and deepspeed with vllm and hf in bf16, default tolerances
+#   bash tools/gpu/h200_realistic.sh rollout         vLLM alone at the scenario's batch (ROLLOUT_VARIANTS: engine
+#                                                    options to compare, e.g. '{"engine_kwargs": {"async_scheduling": false}}')
 #   bash tools/gpu/h200_realistic.sh profile         one sync under torch.profiler, the KV-cache wake mapped call by
 #                                                    call, and a second vLLM engine in one process
 # Output under $OUT (the device tool brings it back).
@@ -64,4 +66,18 @@ except Exception as e:
     print(f"second engine in one process: {type(e).__name__}: {e}")
 EOF
     ;;
+  rollout)
+    # the engine alone at the scenario's batch (32 prompts x 8 x 256 tokens, the KV cache sized to it as
+    # `gearshift train` sizes it), once as gearshift builds it and once with each engine option of ROLLOUT_VARIANTS
+    # (JSON objects, ';'-separated); vLLM's own lines on scheduling and CUDA graphs kept
+    for m in ${MODELS:-qwen2-0.5b}; do
+      IFS=';' read -ra variants <<< "{}${ROLLOUT_VARIANTS:+;$ROLLOUT_VARIANTS}"
+      for v in "${variants[@]}"; do
+        opts=$(python3 -c "import json, sys; print(json.dumps({'vllm': {'dtype': 'bfloat16', 'max_batch_tokens': 32 * 8 * (64 + 256), **json.loads(sys.argv[1])}}))" "$v")
+        echo "[$m] vllm $v"
+        timeout "${LIMIT:-240}" python3 -m gearshift bench rollout --backends vllm --model "$m" --prompts 32 --n 8 \
+          --max-tokens 256 --repeats 3 --options "$opts" 2>&1 | quiet | tee -a "$out/rollout-$m.log" \
+          | grep -iE "asynchronous scheduling|cuda ?graph|tokens_per_s|^ *vllm |error" | tail -8
+      done
+    done ;;
 esac
