@@ -13,6 +13,7 @@
 #                                              bench takes about 4 minutes (preset, SGLang's first graph
 #                                              capture): LIMIT=280 at least. TRAIN_DTYPE=bfloat16: bf16 master
 #                                              weights (the sync then reads half the bytes it reads from fp32)
+#   bash tools/gpu/h200_sglang.sh rollout       SGLang alone at the scenario's batch (32 x 8 x 256 tokens)
 #   CELLS=... bash tools/gpu/h200_sglang.sh scenario
 #                                              GRPO cells of tools/gpu/grpo_scenario.py with --rollout sglang,
 #                                              32 prompts x 8 x 256 tokens, 20 steps (0.5B by default)
@@ -22,7 +23,7 @@
 # it back).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
-[ $# -ge 1 ] || { echo "what to run: conformance, bench, scenario, build"; exit 2; }
+[ $# -ge 1 ] || { echo "what to run: conformance, bench, rollout, scenario, build"; exit 2; }
 out=${OUT:-/tmp/out}
 mkdir -p "$out"
 source tools/gpu/vllm_env.sh  # the gearshift wheels (and the vLLM carry, where it came along) into /tmp/site
@@ -55,6 +56,14 @@ for what in "$@"; do
           --rollout-options '{"dtype": "bfloat16"}' --out "$out/bench-$m${TRAIN_DTYPE:+-$TRAIN_DTYPE}" 2>&1 \
           | quiet | tee "$out/bench-$m${TRAIN_DTYPE:+-$TRAIN_DTYPE}.log" | tail -24
         stopped "${PIPESTATUS[0]}" "bench $m"
+      done ;;
+    rollout)  # the engine alone at the scenario's batch, as h200_realistic.sh rollout measures vLLM
+      for m in ${MODELS:-qwen2-0.5b}; do
+        timeout "${LIMIT:-240}" python3 -m gearshift bench rollout --backends sglang --model "$m" --prompts 32 \
+          --n 8 --max-tokens 256 --repeats 3 \
+          --options '{"sglang": {"dtype": "bfloat16", "max_batch_tokens": 81920}}' 2>&1 | quiet \
+          | tee "$out/rollout-sglang-$m.log" | grep -iE "tokens_per_s|^ *sglang |error" | tail -6
+        stopped "${PIPESTATUS[0]}" "rollout $m"
       done ;;
     scenario)
       timeout "${LIMIT:-560}" python3 tools/gpu/grpo_scenario.py --rollout sglang \
