@@ -35,6 +35,33 @@ def test_a_seed_repeats_a_call_and_samples_differ_within_it(engine):
     assert [r.token_ids for r in other] != [r.token_ids for r in a]
 
 
+def test_a_call_seed_in_place_of_request_seeds_repeats_a_call_and_leaves_the_hosts_generators(engine, monkeypatch):
+    import dataclasses
+    import random
+
+    import torch
+
+    sampling = SamplingParams(n=4, temperature=1.0, max_tokens=8, seed=7)
+    by_request = engine.generate(PROMPTS, sampling)
+    monkeypatch.setattr(engine, "options", dataclasses.replace(engine.options, request_seeds=False))
+    torch.manual_seed(99)
+    random.seed(99)
+    host = torch.get_rng_state(), random.getstate()
+    a, b = engine.generate(PROMPTS, sampling), engine.generate(PROMPTS, sampling)
+    assert torch.equal(torch.get_rng_state(), host[0]) and random.getstate() == host[1]
+    assert [r.token_ids for r in a] == [r.token_ids for r in b]
+    assert len({tuple(r.token_ids) for r in a}) == len(a), "samples of one call repeat each other"
+    other = engine.generate(PROMPTS, SamplingParams(n=4, temperature=1.0, max_tokens=8, seed=8))
+    assert [r.token_ids for r in other] != [r.token_ids for r in a]
+    assert [r.token_ids for r in a] != [r.token_ids for r in by_request], "the requests kept seeds of their own"
+    # the engine's own stream (unseeded calls) does not move with seeded calls
+    unseeded = SamplingParams(n=4, temperature=1.0, max_tokens=8)
+    state = engine._rng
+    engine.generate(PROMPTS, sampling)
+    assert engine._rng is state
+    assert engine.generate(PROMPTS, unseeded) != a
+
+
 def test_a_stop_string_ends_the_sample_at_the_token_that_completes_it(engine):
     def sampling(seed, stop=()):
         return SamplingParams(n=8, temperature=1.0, max_tokens=16, seed=seed, stop=stop)

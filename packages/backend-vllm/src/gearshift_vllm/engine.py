@@ -212,9 +212,11 @@ class VLLMRolloutEngine(RolloutEngine):
     def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams) -> list[Rollout]:
         self.check_prompts(prompts, sampling, self._vocab_size)
         requests = [{"prompt_token_ids": [int(t) for t in p]} for p in prompts]
-        params = [vllm_sampling(self._vllm, sampling, i, self.max_model_len - len(p)) for i, p in enumerate(prompts)]
+        by_request = self.options.request_seeds
+        params = [vllm_sampling(self._vllm, sampling, i, self.max_model_len - len(p), by_request)
+                  for i, p in enumerate(prompts)]
         self._prefixes = True
-        with self._calling_vllm(generating=True), self._own_rng():
+        with self._calling_vllm(generating=True), self._own_rng(None if by_request else sampling.seed):
             outputs = self._llm.generate(requests, params, use_tqdm=False, lora_request=self._lora_request)
         rollouts = []
         for i, (prompt, out) in enumerate(zip(requests, outputs)):
@@ -223,14 +225,16 @@ class VLLMRolloutEngine(RolloutEngine):
         return rollouts
 
     @contextmanager
-    def _own_rng(self):
-        """Draw from the engine's own generators: unseeded sampling leaves the trainer's untouched."""
+    def _own_rng(self, seed: int | None = None):
+        """Draw from the engine's own generators: unseeded sampling leaves the trainer's untouched. `seed`: from
+        generators seeded by it for this call alone (the engine's own stream stays where it was)."""
         host = RngState.capture()
-        self._rng.restore()
+        (self._rng if seed is None else RngState.seeded(seed)).restore()
         try:
             yield
         finally:
-            self._rng = RngState.capture()
+            if seed is None:
+                self._rng = RngState.capture()
             host.restore()
 
     # --- weights ----------------------------------------------------------------------------

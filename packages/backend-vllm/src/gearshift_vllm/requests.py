@@ -7,14 +7,15 @@ from typing import Sequence
 from gearshift.rollout import Rollout, RolloutError, SamplingParams, text_before_stop
 
 
-def vllm_sampling(vllm, s: SamplingParams, index: int, room: int):
-    """vLLM's `SamplingParams` for prompt `index` of a request, with `room` tokens left in the context."""
+def vllm_sampling(vllm, s: SamplingParams, index: int, room: int, request_seed: bool = True):
+    """vLLM's `SamplingParams` for prompt `index` of a request, with `room` tokens left in the context;
+    `request_seed=False`: no seed of its own (the call's seed seeds the engine's generator instead)."""
     return vllm.SamplingParams(
         n=s.n, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
         max_tokens=min(s.max_tokens, room),
         stop=list(s.stop) or None, stop_token_ids=list(s.stop_token_ids) or None,
         # vLLM gives the k-th sample of a request seed + k: spacing by n keeps every sample's seed distinct
-        seed=None if s.seed is None else s.seed + index * s.n,
+        seed=None if s.seed is None or not request_seed else s.seed + index * s.n,
         logprobs=0,  # the sampled token's logprob only
         # incremental detokenizing (of every logprob's token too) costs about a third of the time
         # on small models; only stop strings need it, and `text` is decoded once at the end
