@@ -10,7 +10,7 @@
 #                                                    GRPO cells of tools/gpu/grpo_scenario.py, 32 prompts x 8
 #   bash tools/gpu/h200_realistic.sh conformance     fsdp and deepspeed with vllm and hf in bf16, default tolerances
 #   bash tools/gpu/h200_realistic.sh rollout         vLLM alone at the scenario's batch (ROLLOUT_VARIANTS: engine
-#                                                    options to compare, e.g. '{"engine_kwargs": {"async_scheduling": false}}')
+#                                                    options to compare, ';'-separated, e.g. '{"request_seeds": false}')
 #   bash tools/gpu/h200_realistic.sh profile         one sync under torch.profiler, the KV-cache wake mapped call by
 #                                                    call, and a second vLLM engine in one process
 # Output under $OUT (the device tool brings it back).
