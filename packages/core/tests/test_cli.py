@@ -130,3 +130,20 @@ def test_engine_options_given_as_json_that_is_not_an_object_name_their_flag(caps
     with pytest.raises(SystemExit):
         main(["conformance", "--train", "torch", "--train-options", "[1]"])
     assert "argument --train-options: '[1]' is not a JSON object" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["bench", "rollout", "--prompts", "0"], "argument --prompts: 0 is less than 1"),
+    (["bench", "rollout", "--n", "two"], "argument --n: 'two' is not a whole number"),
+    (["bench", "switch", "--switches", "0"], "argument --switches: 0 is less than 1"),
+    (["bench", "switch", "--naive-switches", "-1"], "argument --naive-switches: -1 is less than 0"),
+    (["bench", "step", "--steps", "0"], "argument --steps: 0 is less than 1"),
+    (["bench", "train", "--batch-size", "0"], "argument --batch-size: 0 is less than 1"),
+])
+def test_a_bench_count_out_of_range_is_an_error_naming_its_flag_before_anything_is_built(argv, message, capsys):
+    from gearshift.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 2
+    assert message in capsys.readouterr().err

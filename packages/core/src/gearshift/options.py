@@ -177,6 +177,26 @@ def parse_options(cls: type, kwargs: dict[str, Any]) -> tuple[EngineArgs, Any]:
             _make(cls.Options, {k: v for k, v in kwargs.items() if k in own}, cls.__name__))
 
 
+def positive_int(text: str) -> int:
+    """A count on a command line that must be at least 1 (prompts, samples, steps): an argparse type."""
+    return _int_at_least(text, 1)
+
+
+def count(text: str) -> int:
+    """A count on a command line that may be 0 (switches left out, steps skipped): an argparse type."""
+    return _int_at_least(text, 0)
+
+
+def _int_at_least(text: str, least: int) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < least:
+        raise argparse.ArgumentTypeError(f"{value} is less than {least}")
+    return value
+
+
 def json_object(text: str) -> dict[str, Any]:
     """Engine options written on a command line as a JSON object (`--options '{"hf": {"max_batch_size": 8}}'`):
     an argparse type, so a malformed one is an error naming its flag."""

@@ -7,7 +7,7 @@ import statistics
 import time
 
 from .. import registry
-from ..options import json_object
+from ..options import json_object, positive_int
 from ..rollout import SamplingParams
 from .report import print_rows
 from .timing import resolve_once
@@ -39,10 +39,10 @@ def measure_rollout(names: list[str], model: str, prompts: int = 16, n: int = 4,
 def add_rollout_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--backends", default="hf", help="comma-separated rollout backends (e.g. hf,vllm)")
     p.add_argument("--model", default="small", help="model folder or preset (default small)")
-    p.add_argument("--prompts", type=int, default=16)
-    p.add_argument("--n", type=int, default=4, help="samples per prompt")
-    p.add_argument("--max-tokens", type=int, default=64)
-    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--prompts", type=positive_int, default=16)
+    p.add_argument("--n", type=positive_int, default=4, help="samples per prompt")
+    p.add_argument("--max-tokens", type=positive_int, default=64)
+    p.add_argument("--repeats", type=positive_int, default=3)
     p.add_argument("--options", type=json_object, default="{}", help="JSON: {backend: {engine options}}")
 
 

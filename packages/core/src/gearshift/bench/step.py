@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from .. import dist as gdist
+from ..options import count, positive_int
 
 
 #: the phases of an RL step, as the controller times them (time/<phase>); the rest of a step is the loop's own
@@ -63,6 +64,6 @@ def bench_step(args: argparse.Namespace) -> int:
 def add_step_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("config", nargs="?", help="YAML config file (optional; the default job without one)")
     p.add_argument("overrides", nargs="*", metavar="key=value", help="dotted overrides, as for gearshift train")
-    p.add_argument("--steps", type=int, default=6, help="steps to run (default 6)")
-    p.add_argument("--skip", type=int, default=1, help="first steps left out of the medians (default 1)")
+    p.add_argument("--steps", type=positive_int, default=6, help="steps to run (default 6)")
+    p.add_argument("--skip", type=count, default=1, help="first steps left out of the medians (default 1)")
     p.add_argument("--out", default="", help="write the medians to this JSON file")

@@ -19,7 +19,7 @@ import torch
 
 from .. import dist as gdist, registry
 from ..hybrid import HybridActor
-from ..options import json_object
+from ..options import count, json_object, positive_int
 from ..profiler import SwitchReport, median_report
 from ..reshard import AdapterResharder, NaiveResharder, StreamingResharder, export_weights
 from ..weights import WeightBucket
@@ -193,8 +193,8 @@ def add_switch_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--train", default="torch", help="train backend (default torch)")
     p.add_argument("--rollout", default="hf", help="rollout backend (default hf)")
     p.add_argument("--model", default="bench100m", help="model folder or preset (default bench100m, ~110M params)")
-    p.add_argument("--switches", type=int, default=5, help="full switches to take the median of (default 5)")
-    p.add_argument("--naive-switches", type=int, default=3, help="switches with the naive resharder (default 3)")
+    p.add_argument("--switches", type=positive_int, default=5, help="full switches to take the median of (default 5)")
+    p.add_argument("--naive-switches", type=count, default=3, help="switches with the naive resharder (default 3)")
     p.add_argument("--share", choices=tuple(SHARE), default="auto",
                    help="serve rollout from the trainer's tensors: auto (when the pair can; default), "
                         "on (fail if it cannot), off (always copy)")
@@ -203,7 +203,7 @@ def add_switch_arguments(p: argparse.ArgumentParser) -> None:
                         "(e.g. optimizer,grads: the rollout engine then sleeps and wakes every switch)")
     p.add_argument("--train-options", type=json_object, default="{}", help="JSON options for the train engine")
     p.add_argument("--rollout-options", type=json_object, default="{}", help="JSON options for the rollout engine")
-    p.add_argument("--lora-r", type=int, default=0,
+    p.add_argument("--lora-r", type=count, default=0,
                    help="train LoRA adapters of this rank: the sync sends merged weights, and a rollout engine "
                         "that serves adapters (vllm) is also measured taking the adapter alone")
     p.add_argument("--against-whole", action="store_true",

@@ -7,7 +7,7 @@ import argparse
 import torch
 
 from .. import dist as gdist, registry
-from ..options import json_object
+from ..options import json_object, positive_int
 from ..profiler import peak_memory_bytes, reset_peak_memory
 from .report import print_rows
 from .timing import median_seconds, resolve_once
@@ -95,16 +95,16 @@ def measure_train(names: list[str], model: str, batch_size: int = 16, seq_len: i
 def add_train_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--backends", default="torch", help="comma-separated train backends (e.g. torch,fsdp)")
     p.add_argument("--model", default="small", help="model folder or preset (default small)")
-    p.add_argument("--batch-size", type=int, default=16)
-    p.add_argument("--seq-len", type=int, default=64)
-    p.add_argument("--min-len", type=int, default=None,
+    p.add_argument("--batch-size", type=positive_int, default=16)
+    p.add_argument("--seq-len", type=positive_int, default=64)
+    p.add_argument("--min-len", type=positive_int, default=None,
                    help="row lengths drawn uniformly from [min-len, seq-len] (default: all seq-len, no padding)")
-    p.add_argument("--micro-batch-size", type=int, default=None, help="rows per micro-batch (default: all)")
+    p.add_argument("--micro-batch-size", type=positive_int, default=None, help="rows per micro-batch (default: all)")
     p.add_argument("--max-tokens-per-micro-batch", default="0",
                    help="comma-separated token budgets, one row each; 0: micro-batches of --micro-batch-size "
                         "rows; N: rows packed by length into N tokens (--micro-batch-size 8 --seq-len 256 "
                         "--max-tokens-per-micro-batch 0,2048 puts the two under the same memory bound side by side)")
-    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--steps", type=positive_int, default=3)
     p.add_argument("--options", type=json_object, default="{}", help="JSON: {backend: {engine options}}")
     p.add_argument("--mesh", action="append", default=None,
                    help="a train mesh to measure (repeat for several, e.g. --mesh dp=2 --mesh sp=2 under torchrun); "
