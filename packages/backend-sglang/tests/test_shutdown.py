@@ -33,3 +33,34 @@ def test_closing_an_engine_ends_its_own_processes_and_no_other(serving_model_wei
             if proc is not None:
                 proc.kill()
                 proc.wait()
+
+
+def test_a_scheduler_that_fails_to_start_is_an_error_in_the_host_and_leaves_no_process(
+        serving_model_weights, gearshift_model, sglang_options, tmp_path):
+    """SGLang's scheduler sends SIGQUIT when its start fails, and SGLang's own handler then kills the whole
+    process tree, host included: a run ended with status 137 and no word of gearshift's."""
+    import json
+    import shutil
+    import signal
+
+    import pytest
+
+    from gearshift_sglang import SGLangRolloutEngine
+    from gearshift_sglang.host import StartFailed
+
+    model = tmp_path / "unknown-architecture"
+    shutil.copytree(gearshift_model, model)
+    config = json.loads((model / "config.json").read_text())
+    config["architectures"] = ["NoSuchForCausalLM"]  # only SGLang's scheduler resolves the class by this name
+    (model / "config.json").write_text(json.dumps(config))
+    running_rule = signal.getsignal(signal.SIGQUIT)
+    before = {p.pid for p in psutil.Process().children(recursive=True)}
+    with pytest.raises(StartFailed, match="failed while the engine started"):
+        SGLangRolloutEngine.build(str(model), **sglang_options)
+    assert signal.getsignal(signal.SIGQUIT) is running_rule, "the running engine's SIGQUIT rule was not put back"
+    left = [" ".join(p.cmdline()) for p in psutil.Process().children(recursive=True)
+            if p.pid not in before and p.is_running() and p.status() != psutil.STATUS_ZOMBIE
+            and "resource_tracker" not in " ".join(p.cmdline())]
+    assert not left, f"the failed start left processes behind: {left}"
+    out = serving_model_weights.generate([[1, 2, 3]], SamplingParams(max_tokens=2, temperature=0.0))
+    assert len(out) == 1 and out[0].token_ids  # the session's engine still serves

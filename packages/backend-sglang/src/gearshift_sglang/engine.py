@@ -31,6 +31,8 @@ import json
 import logging
 import pickle
 import random
+import signal
+import threading
 import time
 import weakref
 from contextlib import contextmanager
@@ -45,8 +47,9 @@ from gearshift.rollout import ROLLOUT_TAGS, Rollout, RolloutArgs, RolloutEngine,
 from gearshift.weights import WeightBucket, WeightError, WeightSpec
 
 from .arguments import SGLangOptions, engine_arguments
-from .host import (cache_environment, contained, default_cache_dir, drop_channels, ending_only, guard_sigquit,
-                   started_processes)
+from .host import (StartFailed, cache_environment, close_zmq_contexts, contained, default_cache_dir, drop_channels,
+                   end_processes, end_tree_on_quit, ending_only, failed_while_starting, guard_sigquit,
+                   quiet_custom_handler_line, started_processes, zmq_contexts)
 from .imports import cpu_environment, gpu_environment, importing_sglang
 from .weights import FlatBuckets, Sources
 
@@ -133,8 +136,25 @@ class SGLangRolloutEngine(RolloutEngine):
 
             self._loop_policy = asyncio.get_event_loop_policy()  # SGLang's (uvloop), set when it was imported
             self._sessions = weight_update_sessions(Engine)
-            with started_processes() as self._processes:
-                self._engine = GearshiftEngine(**kwargs)
+            # a scheduler that fails while starting sends SIGQUIT: an error here, not the whole process killed
+            ours = threading.current_thread() is threading.main_thread() and "custom_sigquit_handler" not in kwargs
+            if ours:
+                kwargs["custom_sigquit_handler"] = failed_while_starting
+                quiet_custom_handler_line()
+                before = signal.getsignal(signal.SIGQUIT)
+                others = zmq_contexts()  # a notebook's, another engine's: a failed start closes only its own
+            try:
+                with started_processes() as self._processes:
+                    self._engine = GearshiftEngine(**kwargs)
+            except BaseException as e:
+                if ours:  # another engine of this process keeps the rule it had
+                    signal.signal(signal.SIGQUIT, before)
+                if isinstance(e, StartFailed):
+                    end_processes(self._processes)
+                    close_zmq_contexts(others)
+                raise
+            if ours:  # from now on SGLang's own rule: a failed scheduler ends the process tree
+                signal.signal(signal.SIGQUIT, end_tree_on_quit)
             # SGLang shuts an engine down at exit by killing every child of the host; this engine ends its own
             atexit.unregister(self._engine.shutdown)
             atexit.register(self.close)

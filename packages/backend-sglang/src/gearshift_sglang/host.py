@@ -27,6 +27,7 @@ import hashlib
 import logging
 import os
 import signal
+import sys
 import threading
 from contextlib import contextmanager
 from pathlib import Path
@@ -55,6 +56,65 @@ def guard_sigquit(running) -> None:
         _sglang_on_quit = current
         signal.signal(signal.SIGQUIT, _on_quit)
     _running = running
+
+
+class StartFailed(ValueError):
+    """SGLang's scheduler failed while its engine started (an architecture it cannot build, too little memory):
+    its traceback is printed above by the scheduler process."""
+
+
+def failed_while_starting(signum, frame) -> None:
+    """SIGQUIT while an engine starts (`custom_sigquit_handler`): the scheduler failed and said so. An error in
+    the host, where SGLang's own handler would kill the whole process tree, host included, with no word."""
+    raise StartFailed("SGLang's scheduler process failed while the engine started (its traceback is above): "
+                      "a model architecture SGLang cannot build, or too little device memory; another rollout "
+                      "backend (rollout.backend=vllm or hf) may serve this model")
+
+
+def end_tree_on_quit(signum, frame) -> None:
+    """SIGQUIT once an engine runs: a scheduler that failed cannot answer, so the host and its children end, as
+    SGLang's own handler does (a host left running would wait forever on it)."""
+    from sglang.srt.utils import kill_process_tree
+
+    logger.error("SIGQUIT from an SGLang process: it failed; ending this process and its children")
+    kill_process_tree(os.getpid())
+
+
+def zmq_contexts() -> set[int]:
+    """The ids of the ZeroMQ contexts alive now (a walk over the collector's objects): a notebook's, another
+    engine's."""
+    import gc
+
+    zmq = sys.modules.get("zmq")
+    return {id(o) for o in gc.get_objects() if isinstance(o, zmq.Context)} if zmq is not None else set()
+
+
+def close_zmq_contexts(keep: set[int]) -> int:
+    """Close every ZeroMQ context alive but those of `keep`, dropping unsent messages: what a failed engine start
+    left (a socket still holding a message for the dead scheduler makes the context's finalizer, at the
+    interpreter's exit, wait forever). The number closed."""
+    import gc
+
+    zmq = sys.modules.get("zmq")
+    if zmq is None:
+        return 0
+    stray = [o for o in gc.get_objects() if isinstance(o, zmq.Context) and id(o) not in keep and not o.closed]
+    for context in stray:
+        context.destroy(linger=0)
+    return len(stray)
+
+
+class _QuietCustomHandler(logging.Filter):
+    """SGLang logs an error line whenever a custom SIGQUIT handler is given: gearshift gives one at every start."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith("Using custom SIGQUIT handler")
+
+
+def quiet_custom_handler_line() -> None:
+    log = logging.getLogger("sglang.srt.entrypoints.engine")
+    if not any(isinstance(f, _QuietCustomHandler) for f in log.filters):
+        log.addFilter(_QuietCustomHandler())
 
 
 def _on_quit(signum, frame) -> None:
@@ -196,5 +256,7 @@ def contained(env: dict[str, str], tmp: str | os.PathLike | None = None,
         yield state
 
 
-__all__ = ["HostState", "MAX_SOCKET_DIR", "OWN_PREFIX", "cache_environment", "contained", "default_cache_dir",
-           "drop_channels", "end_processes", "ending_only", "guard_sigquit", "started_processes", "temp_dir"]
+__all__ = ["HostState", "MAX_SOCKET_DIR", "OWN_PREFIX", "cache_environment", "close_zmq_contexts", "contained",
+           "default_cache_dir", "drop_channels", "end_processes", "end_tree_on_quit", "ending_only", "failed_while_starting",
+           "guard_sigquit", "quiet_custom_handler_line", "started_processes", "StartFailed", "temp_dir",
+           "zmq_contexts"]
