@@ -12,10 +12,14 @@ temporary files go to the temporary directory.
 `contained()` (the core's `gearshift.containment`) records all of this before a
 block that calls into SGLang and puts it back after; SGLang's own variables (`SGLANG_*`) stay, since SGLang
 reads them later. Around each later call the engine sets SGLang's event loop
-policy again (its coroutines run on its loop). SIGQUIT stays SGLang's while an
-engine runs: its scheduler process sends it when it fails, and SGLang's handler
-then ends the process tree, host included (a host left running would wait
-forever on a dead scheduler). Once no engine is running (`guard_sigquit`), a
+policy again (its coroutines run on its loop). A scheduler process sends
+SIGQUIT when it fails. While an engine starts, that is an error in the host
+(`failed_while_starting`, given to SGLang as `custom_sigquit_handler`): the
+start's processes are ended and its ZeroMQ contexts closed, where SGLang's own
+handler would kill the host with no word. Once the engine runs, a failed
+scheduler ends the process tree, host included, as SGLang's handler does
+(`end_tree_on_quit`; a host left running would wait forever on a dead
+scheduler). Once no engine is running (`guard_sigquit`), a
 SIGQUIT from a child that is being shut down is ignored instead: it would end
 the trainer, or a test session, after the engine had been closed on purpose.
 """
