@@ -84,25 +84,24 @@ def end_tree_on_quit(signum, frame) -> None:
     kill_process_tree(os.getpid())
 
 
-def zmq_contexts() -> set[int]:
-    """The ids of the ZeroMQ contexts alive now (a walk over the collector's objects): a notebook's, another
-    engine's."""
+def _live_zmq_contexts() -> list:
+    """The ZeroMQ contexts alive now (a walk over the collector's objects; none before zmq is imported)."""
     import gc
 
     zmq = sys.modules.get("zmq")
-    return {id(o) for o in gc.get_objects() if isinstance(o, zmq.Context)} if zmq is not None else set()
+    return [o for o in gc.get_objects() if isinstance(o, zmq.Context)] if zmq is not None else []
+
+
+def zmq_contexts() -> set[int]:
+    """The ids of the ZeroMQ contexts alive now: a notebook's, another engine's."""
+    return {id(o) for o in _live_zmq_contexts()}
 
 
 def close_zmq_contexts(keep: set[int]) -> int:
     """Close every ZeroMQ context alive but those of `keep`, dropping unsent messages: what a failed engine start
     left (a socket still holding a message for the dead scheduler makes the context's finalizer, at the
     interpreter's exit, wait forever). The number closed."""
-    import gc
-
-    zmq = sys.modules.get("zmq")
-    if zmq is None:
-        return 0
-    stray = [o for o in gc.get_objects() if isinstance(o, zmq.Context) and id(o) not in keep and not o.closed]
+    stray = [o for o in _live_zmq_contexts() if id(o) not in keep and not o.closed]
     for context in stray:
         context.destroy(linger=0)
     return len(stray)
@@ -261,6 +260,6 @@ def contained(env: dict[str, str], tmp: str | os.PathLike | None = None,
 
 
 __all__ = ["HostState", "MAX_SOCKET_DIR", "OWN_PREFIX", "cache_environment", "close_zmq_contexts", "contained",
-           "default_cache_dir", "drop_channels", "end_processes", "end_tree_on_quit", "ending_only", "failed_while_starting",
-           "guard_sigquit", "quiet_custom_handler_line", "started_processes", "StartFailed", "temp_dir",
-           "zmq_contexts"]
+           "default_cache_dir", "drop_channels", "end_processes", "end_tree_on_quit", "ending_only",
+           "failed_while_starting", "guard_sigquit", "quiet_custom_handler_line", "started_processes", "StartFailed",
+           "temp_dir", "zmq_contexts"]
