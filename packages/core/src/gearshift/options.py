@@ -215,7 +215,8 @@ def check_options(cls: type, options: dict[str, Any]) -> None:
     argument every engine of its kind takes) with a value of its type: what `build` would check, before it."""
     check_engine_class(cls)
     _no_unknown(cls, options)
-    _make(cls.Options, {k: v for k, v in options.items() if k in _fields(cls.Options)}, cls.__name__)
+    own = _fields(cls.Options)
+    _make(cls.Options, {k: v for k, v in options.items() if k in own}, cls.__name__)
 
 
 def _no_unknown(cls: type, kwargs: dict[str, Any]) -> None:
