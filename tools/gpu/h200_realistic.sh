@@ -11,6 +11,7 @@
 #   bash tools/gpu/h200_realistic.sh conformance     fsdp and deepspeed with vllm and hf in bf16, default tolerances
 #   bash tools/gpu/h200_realistic.sh rollout         vLLM alone at the scenario's batch (ROLLOUT_VARIANTS: engine
 #                                                    options to compare, ';'-separated, e.g. '{"request_seeds": false}')
+#   bash tools/gpu/h200_realistic.sh rollout-profile tools/gpu/profile_rollout.py: where vLLM's rollout time goes
 #   bash tools/gpu/h200_realistic.sh profile         one sync under torch.profiler, the KV-cache wake mapped call by
 #                                                    call, and a second vLLM engine in one process
 # Output under $OUT (the device tool brings it back).
@@ -79,5 +80,12 @@ EOF
           --max-tokens 256 --repeats 3 --options "$opts" 2>&1 | quiet | tee -a "$out/rollout-$m.log" \
           | grep -iE "asynchronous scheduling|cuda ?graph|tokens_per_s|^ *vllm |error" | tail -8
       done
+    done ;;
+  rollout-profile)
+    # the same engine and batch generated as gearshift asks and with each ask left out (a seed per request, the
+    # sampled token's logprob), then one call under cProfile
+    for m in ${MODELS:-qwen2-0.5b}; do
+      timeout "${LIMIT:-240}" python3 tools/gpu/profile_rollout.py --model "$m" --max-tokens "${TOKENS:-256}" 2>&1 \
+        | quiet | tee "$out/rollout-profile-$m.log" | grep -vE "^ *(INFO|WARNING|DEBUG)" | tail -70
     done ;;
 esac

@@ -1,0 +1,106 @@
+#!/usr/bin/env python3
+"""Where a vLLM rollout's time goes at the scenario's batch: the same engine and prompts, generated as gearshift
+asks (a seed per request, the sampled token's logprob) and with each of those asks left out, then one call
+under cProfile.
+
+    python3 tools/gpu/profile_rollout.py --model qwen2-0.5b --prompts 32 --n 8 --max-tokens 256
+
+Prints one line per variant (median seconds of `--repeats` calls, generated tokens/s) and the functions with the
+most own and most cumulative time in a profiled gearshift call. The variants call vLLM's `LLM.generate` directly with the requests
+gearshift builds, changing one field of vLLM's `SamplingParams`; the first row is gearshift's own
+`generate` (vLLM's call plus turning its outputs into rollouts). Runs on a CPU too (a tiny model). A tool, not a
+test.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import json
+import pstats
+import statistics
+import time
+
+from gearshift import registry
+from gearshift.models import resolve_model
+from gearshift.rollout import SamplingParams
+
+
+def timed(fn, repeats: int) -> tuple[float, int]:
+    """Median seconds of `repeats` calls of `fn`, and the tokens the last call generated."""
+    times, tokens = [], 0
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        tokens = fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times), tokens
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="qwen2-0.5b")
+    p.add_argument("--prompts", type=int, default=32)
+    p.add_argument("--n", type=int, default=8)
+    p.add_argument("--max-tokens", type=int, default=256)
+    p.add_argument("--prompt-tokens", type=int, default=64)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--rows", type=int, default=25, help="profile rows printed")
+    p.add_argument("--options", default='{"dtype": "bfloat16"}', help="JSON: vllm engine options")
+    args = p.parse_args()
+
+    from gearshift_vllm.requests import vllm_sampling
+
+    options = {"max_batch_tokens": args.prompts * args.n * (args.prompt_tokens + args.max_tokens),
+               **json.loads(args.options)}
+    engine = registry.create("rollout", "vllm", model=resolve_model(args.model), **options)
+    vllm, llm = engine._vllm, engine._llm
+    prompts = [[(7 * i + j) % 200 + 32 for j in range(args.prompt_tokens)] for i in range(args.prompts)]
+    sampling = SamplingParams(n=args.n, temperature=1.0, max_tokens=args.max_tokens, seed=0)
+    engine.generate(prompts[:2], sampling)  # warm-up
+
+    def ours() -> int:
+        return sum(len(r.token_ids) for r in engine.generate(prompts, sampling))
+
+    def raw(seeds: bool, logprobs: bool):
+        def call() -> int:
+            params = []
+            for i, prompt in enumerate(prompts):
+                ps = vllm_sampling(vllm, sampling, i, 1 << 30, seeds)
+                if not logprobs:
+                    ps.logprobs = None
+                params.append(ps)
+            requests = [{"prompt_token_ids": q} for q in prompts]
+            with engine._calling_vllm(generating=True):
+                outs = llm.generate(requests, params, use_tqdm=False)
+            return sum(len(c.token_ids) for o in outs for c in o.outputs)
+        return call
+
+    variants = [("gearshift generate (seed per request, logprob)", ours),
+                ("vLLM generate, seed per request, logprob", raw(True, True)),
+                ("vLLM generate, no seed per request, logprob", raw(False, True)),
+                ("vLLM generate, seed per request, no logprob", raw(True, False)),
+                ("vLLM generate, no seed per request, no logprob", raw(False, False))]
+    print(f"{args.model}: {args.prompts} prompts x {args.n} samples x {args.max_tokens} tokens, options {options}")
+    for label, fn in variants:
+        secs, tokens = timed(fn, args.repeats)
+        print(f"  {label:50s} {secs:7.3f} s  {tokens / secs:10,.0f} tokens/s  ({tokens} tokens)", flush=True)
+
+    prof = cProfile.Profile()
+    prof.enable()
+    t0 = time.perf_counter()
+    tokens = ours()
+    wall = time.perf_counter() - t0
+    prof.disable()
+    buf = io.StringIO()
+    stats = pstats.Stats(prof, stream=buf)
+    stats.sort_stats("tottime").print_stats(args.rows)
+    stats.sort_stats("cumulative").print_stats(args.rows)
+    print(f"profiled gearshift generate: {wall:.3f} s for {tokens} tokens (profiling slows Python down)")
+    print("\n".join(line for line in buf.getvalue().splitlines() if line.strip())[:20000])
+    engine.close()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
