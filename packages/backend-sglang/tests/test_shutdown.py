@@ -8,7 +8,7 @@ import sys
 
 import psutil
 
-from gearshift.rollout import SamplingParams
+from gearshift.rollout import RolloutError, SamplingParams
 
 
 def test_closing_an_engine_ends_its_own_processes_and_no_other(serving_model_weights, gearshift_model,
@@ -64,3 +64,58 @@ def test_a_scheduler_that_fails_to_start_is_an_error_in_the_host_and_leaves_no_p
     assert not left, f"the failed start left processes behind: {left}"
     out = serving_model_weights.generate([[1, 2, 3]], SamplingParams(max_tokens=2, temperature=0.0))
     assert len(out) == 1 and out[0].token_ids  # the session's engine still serves
+
+
+def _children_left(before: set[int]) -> list[str]:
+    return [" ".join(p.cmdline()) for p in psutil.Process().children(recursive=True)
+            if p.pid not in before and p.is_running() and p.status() != psutil.STATUS_ZOMBIE
+            and "resource_tracker" not in " ".join(p.cmdline())]
+
+
+def test_a_scheduler_that_fails_while_generating_is_an_error_in_the_call_and_the_host_lives_on(
+        serving_model_weights, sglang_options, tmp_path):
+    """phi builds in SGLang 0.5.23's CPU engine, then its scheduler fails at the first prefill (the CPU attention's
+    KV-cache write) and sends SIGQUIT: SGLang's handler, which its event loop takes, killed the host (status 137)."""
+    import pytest
+
+    from gearshift.models import resolve_model
+    from gearshift_sglang import SGLangRolloutEngine
+    from gearshift_sglang.host import SchedulerFailed
+
+    before = {p.pid for p in psutil.Process().children(recursive=True)}
+    engine = SGLangRolloutEngine.build(resolve_model("tiny-phi", cache_dir=tmp_path), **sglang_options)
+    try:
+        with pytest.raises(SchedulerFailed, match="failed while its engine ran"):
+            engine.generate([[1, 2, 3]], SamplingParams(max_tokens=2, temperature=1.0))
+        assert not _children_left(before), "the failed engine left processes behind"
+        with pytest.raises(RolloutError, match="engine is closed: an SGLang scheduler"):
+            engine.generate([[1, 2, 3]], SamplingParams(max_tokens=2))
+    finally:
+        engine.close()  # a no-op once closed
+    out = serving_model_weights.generate([[1, 2, 3]], SamplingParams(max_tokens=2, temperature=0.0))
+    assert len(out) == 1 and out[0].token_ids  # the session's engine still serves
+
+
+def test_a_scheduler_gone_between_calls_is_an_error_in_the_next_call(gearshift_model, sglang_options):
+    """A scheduler that dies while the trainer trains (killed, out of host memory) is found at the next call,
+    which would otherwise wait forever on it."""
+    import os
+    import signal
+
+    import pytest
+
+    from gearshift_sglang import SGLangRolloutEngine
+    from gearshift_sglang.host import SchedulerFailed
+
+    before = {p.pid for p in psutil.Process().children(recursive=True)}
+    engine = SGLangRolloutEngine.build(gearshift_model, **sglang_options)
+    try:
+        assert engine.generate([[1, 2, 3]], SamplingParams(max_tokens=2, temperature=0.0))
+        scheduler = next(p for p in engine._watched if "detokenizer" not in " ".join(p.cmdline()).lower())
+        os.kill(scheduler.pid, signal.SIGKILL)
+        scheduler.wait(30)
+        with pytest.raises(SchedulerFailed, match="failed while its engine ran"):
+            engine.generate([[1, 2, 3]], SamplingParams(max_tokens=2, temperature=0.0))
+        assert not _children_left(before), "the failed engine left processes behind"
+    finally:
+        engine.close()

@@ -29,6 +29,7 @@ import asyncio
 import atexit
 import json
 import logging
+import os
 import pickle
 import random
 import signal
@@ -39,6 +40,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, ClassVar, Iterable, Sequence
 
+import psutil
 import torch
 
 from gearshift import dist as gdist
@@ -47,9 +49,10 @@ from gearshift.rollout import ROLLOUT_TAGS, Rollout, RolloutArgs, RolloutEngine,
 from gearshift.weights import WeightBucket, WeightError, WeightSpec
 
 from .arguments import SGLangOptions, engine_arguments
-from .host import (StartFailed, cache_environment, close_zmq_contexts, contained, default_cache_dir, drop_channels,
-                   end_processes, end_tree_on_quit, ending_only, failed_while_starting, guard_sigquit,
-                   quiet_custom_handler_line, started_processes, zmq_contexts)
+from .host import (FAILED_RUNNING, SchedulerFailed, StartFailed, cache_environment, close_zmq_contexts, contained,
+                   default_cache_dir, drop_channels, end_interrupted_calls, end_processes, ending_only,
+                   failed_before_first_call, failed_while_starting, guard_sigquit, quiet_custom_handler_line,
+                   scheduler_failed, started_processes, watch_schedulers, zmq_contexts)
 from .imports import cpu_environment, gpu_environment, importing_sglang
 from .weights import FlatBuckets, Sources
 
@@ -102,6 +105,8 @@ class SGLangRolloutEngine(RolloutEngine):
     conformance_xfail: ClassVar[dict[str, dict[str, str]]] = _conformance_xfail()
 
     Options: ClassVar[type] = SGLangOptions
+    #: what a call on a closed engine says
+    _closed_because = "the sglang engine is closed"
 
     def __init__(self, args: RolloutArgs, options: "SGLangRolloutEngine.Options | None" = None) -> None:
         """Start SGLang for `args.model` (a local Hugging Face folder); see `Options` and the README."""
@@ -153,12 +158,15 @@ class SGLangRolloutEngine(RolloutEngine):
                     end_processes(self._processes)
                     close_zmq_contexts(others)
                 raise
-            if ours:  # from now on SGLang's own rule: a failed scheduler ends the process tree
-                signal.signal(signal.SIGQUIT, end_tree_on_quit)
+            if ours:  # from now on a failed scheduler is an error in the engine's call (host.py)
+                signal.signal(signal.SIGQUIT, failed_before_first_call)
+                watch_schedulers(self._engine)
             # SGLang shuts an engine down at exit by killing every child of the host; this engine ends its own
             atexit.unregister(self._engine.shutdown)
             atexit.register(self.close)
             self._engine.collective_rpc("gearshift_freeze_gc")  # see children.py: cache flushes walk less
+        #: the host's own children the start added (scheduler, detokenizer): one gone means its scheduler failed
+        self._watched = [p for p in self._processes if _alive(p) and p.ppid() == os.getpid()]
         _LIVE.add(self)
         guard_sigquit(_any_running)
         #: variables SGLang set in the host, put back after start (and after each call)
@@ -195,9 +203,32 @@ class SGLangRolloutEngine(RolloutEngine):
     def _calling_sglang(self):
         """Around every call into SGLang: its event loop policy and variables, the host's state kept."""
         if self._engine is None:
-            raise RolloutError("the sglang engine is closed")
+            raise RolloutError(self._closed_because)
+        try:
+            if not all(_alive(p) for p in self._watched):
+                raise SchedulerFailed(FAILED_RUNNING)  # it failed between calls
+            with contained(self._env, self._tmp, self._loop_policy):
+                yield
+        except Exception as e:
+            if isinstance(e, SchedulerFailed) or scheduler_failed(self._engine):
+                self._abandon()
+                if not isinstance(e, SchedulerFailed):
+                    raise SchedulerFailed(FAILED_RUNNING) from e
+            raise
+
+    def _abandon(self) -> None:
+        """After its scheduler failed: end the engine's processes and close it, the host kept alive."""
+        engine, self._engine = self._engine, None
+        self._closed_because = f"the sglang engine is closed: {FAILED_RUNNING}"
+        atexit.unregister(self.close)
+        end_processes(self._processes)
+        others = {t for e in list(_LIVE) if e._engine is not None
+                  for t in getattr(e._engine.tokenizer_manager, "asyncio_tasks", ())}
         with contained(self._env, self._tmp, self._loop_policy):
-            yield
+            end_interrupted_calls(engine, others)
+            drop_channels(engine)
+        self._flat.release()
+        self._sources.release()
 
     # --- generation -----------------------------------------------------------------------
     def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams) -> list[Rollout]:
@@ -488,6 +519,13 @@ class SGLangRolloutEngine(RolloutEngine):
 
 #: the engines of this process, running or closed (see host.guard_sigquit)
 _LIVE: "weakref.WeakSet[SGLangRolloutEngine]" = weakref.WeakSet()
+
+
+def _alive(proc) -> bool:
+    try:
+        return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
 
 
 def _any_running() -> bool:

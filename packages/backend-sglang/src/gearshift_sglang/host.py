@@ -17,9 +17,10 @@ SIGQUIT when it fails. While an engine starts, that is an error in the host
 (`failed_while_starting`, given to SGLang as `custom_sigquit_handler`): the
 start's processes are ended and its ZeroMQ contexts closed, where SGLang's own
 handler would kill the host with no word. Once the engine runs, a failed
-scheduler ends the process tree, host included, as SGLang's handler does
-(`end_tree_on_quit`; a host left running would wait forever on a dead
-scheduler). Once no engine is running (`guard_sigquit`), a
+scheduler is an error too (`watch_schedulers`, `SchedulerFailed`): the call
+that waits on it ends, or the engine's next call when it failed between calls,
+and the engine is closed, where SGLang's handler would end the process tree,
+host included. Once no engine is running (`guard_sigquit`), a
 SIGQUIT from a child that is being shut down is ignored instead: it would end
 the trainer, or a test session, after the engine had been closed on purpose.
 """
@@ -39,6 +40,7 @@ from typing import Iterator
 
 from gearshift import containment
 from gearshift.containment import HostState
+from gearshift.rollout import RolloutError
 
 OWN_PREFIX = "SGLANG_"
 
@@ -75,13 +77,57 @@ def failed_while_starting(signum, frame) -> None:
                       "backend (rollout.backend=vllm or hf) may serve this model")
 
 
-def end_tree_on_quit(signum, frame) -> None:
-    """SIGQUIT once an engine runs: a scheduler that failed cannot answer, so the host and its children end, as
-    SGLang's own handler does (a host left running would wait forever on it)."""
-    from sglang.srt.utils import kill_process_tree
+class SchedulerFailed(RolloutError):
+    """An SGLang scheduler process failed while its engine ran (its traceback is printed above by that process):
+    the engine is closed, and the host lives on."""
 
-    logger.error("SIGQUIT from an SGLang process: it failed; ending this process and its children")
-    kill_process_tree(os.getpid())
+
+FAILED_RUNNING = ("an SGLang scheduler process failed while its engine ran (its traceback is above): the engine "
+                  "is closed; a model SGLang builds but cannot run (on a CPU, phi's attention), or too little "
+                  "device memory; another rollout backend (rollout.backend=vllm or hf) may serve this model")
+
+
+def failed_before_first_call(signum, frame) -> None:
+    """SIGQUIT after an engine started, before its first call gives SGLang's event loop the signal: a scheduler
+    failed. Logged; that engine's next call finds its scheduler gone and raises `SchedulerFailed`."""
+    logger.error("SIGQUIT from an SGLang process: a scheduler failed; its engine's next call says so")
+
+
+def watch_schedulers(engine) -> None:
+    """Once `engine` (SGLang's) runs, SIGQUIT from its scheduler ends the call that waits on it (its event loop
+    stopped) and `scheduler_failed` says so, where SGLang's own handler, given the signal by the tokenizer
+    manager's event loop, kills the host's whole process tree. On the main thread only (SGLang's rule too)."""
+    from sglang.srt.managers.tokenizer_manager import SignalHandler
+
+    class StopOnFailure(SignalHandler):
+        def running_phase_sigquit_handler(self, signum=None, frame=None):
+            manager = self.tokenizer_manager
+            logger.error("SIGQUIT from an SGLang scheduler: it failed")
+            manager.gearshift_failed = True
+            if manager.event_loop is not None and manager.event_loop.is_running():
+                manager.event_loop.stop()
+
+    manager = engine.tokenizer_manager
+    manager.signal_handler_class = StopOnFailure
+    if manager.event_loop is not None and threading.current_thread() is threading.main_thread():
+        manager.event_loop.add_signal_handler(signal.SIGQUIT, StopOnFailure(manager).running_phase_sigquit_handler)
+
+
+def end_interrupted_calls(engine, keep: set) -> None:
+    """After a scheduler failed in a call: cancel the call's tasks left pending on SGLang's event loop (shared by
+    the engines of a thread), all but the `keep` tasks (other engines' own). Left pending, the collector ran them
+    at exit, sending on closed sockets."""
+    loop = engine.loop
+    tasks = [t for t in asyncio.all_tasks(loop) if t not in keep and not t.done()]
+    for task in tasks:
+        task.cancel()
+    if tasks:
+        loop.run_until_complete(asyncio.gather(*tasks, return_exceptions=True))
+
+
+def scheduler_failed(engine) -> bool:
+    """Whether a SIGQUIT told `engine`'s event loop (see `watch_schedulers`) that a scheduler failed."""
+    return bool(getattr(engine.tokenizer_manager, "gearshift_failed", False))
 
 
 def _live_zmq_contexts() -> list:
@@ -259,7 +305,8 @@ def contained(env: dict[str, str], tmp: str | os.PathLike | None = None,
         yield state
 
 
-__all__ = ["HostState", "MAX_SOCKET_DIR", "OWN_PREFIX", "cache_environment", "close_zmq_contexts", "contained",
-           "default_cache_dir", "drop_channels", "end_processes", "end_tree_on_quit", "ending_only",
-           "failed_while_starting", "guard_sigquit", "quiet_custom_handler_line", "started_processes", "StartFailed",
-           "temp_dir", "zmq_contexts"]
+__all__ = ["HostState", "MAX_SOCKET_DIR", "OWN_PREFIX", "SchedulerFailed", "StartFailed", "cache_environment",
+           "close_zmq_contexts", "contained", "default_cache_dir", "drop_channels", "end_interrupted_calls",
+           "end_processes", "ending_only", "failed_before_first_call", "failed_while_starting", "guard_sigquit",
+           "quiet_custom_handler_line", "scheduler_failed", "started_processes", "temp_dir", "watch_schedulers",
+           "zmq_contexts"]
