@@ -1,13 +1,14 @@
 #!/usr/bin/env python3
 """Where a vLLM rollout's time goes at the scenario's batch: the same engine and prompts, generated as gearshift
-asks (a seed per request, the sampled token's logprob) and with each of those asks left out, then one call
+asks (a seed per request, the sampled token's logprob as flat lists) and with each of those asks left out (and
+with logprobs as vLLM's default per-token dicts), then one call
 under cProfile.
 
     python3 tools/gpu/profile_rollout.py --model qwen2-0.5b --prompts 32 --n 8 --max-tokens 256
 
-Prints one line per variant (median seconds of `--repeats` calls, generated tokens/s) and the functions with the
-most own and most cumulative time in a profiled gearshift call. The variants call vLLM's `LLM.generate` directly with the requests
-gearshift builds, changing one field of vLLM's `SamplingParams`; the first row is gearshift's own
+Prints one line per variant (median seconds of `--repeats` calls, generated tokens/s), the garbage collector's
+passes over one call, and the functions with the most own and most cumulative time in a profiled gearshift
+call. The variants call vLLM's `LLM.generate` directly with the requests gearshift builds, changing one field of vLLM's `SamplingParams`; the first row is gearshift's own
 `generate` (vLLM's call plus turning its outputs into rollouts). Runs on a CPU too (a tiny model). A tool, not a
 test.
 """
@@ -62,13 +63,15 @@ def main() -> int:
     def ours() -> int:
         return sum(len(r.token_ids) for r in engine.generate(prompts, sampling))
 
-    def raw(seeds: bool, logprobs: bool):
+    def raw(seeds: bool, logprobs: bool, flat: bool = True):
         def call() -> int:
             params = []
             for i, prompt in enumerate(prompts):
                 ps = vllm_sampling(vllm, sampling, i, 1 << 30, seeds)
                 if not logprobs:
                     ps.logprobs = None
+                if not flat and hasattr(ps, "flat_logprobs"):
+                    ps.flat_logprobs = False
                 params.append(ps)
             requests = [{"prompt_token_ids": q} for q in prompts]
             with engine._calling_vllm(generating=True):
@@ -78,13 +81,34 @@ def main() -> int:
 
     variants = [("gearshift generate (seed per request, logprob)", ours),
                 ("vLLM generate, seed per request, logprob", raw(True, True)),
+                ("vLLM generate, seed per request, logprob per-token dicts", raw(True, True, flat=False)),
                 ("vLLM generate, no seed per request, logprob", raw(False, True)),
                 ("vLLM generate, seed per request, no logprob", raw(True, False)),
                 ("vLLM generate, no seed per request, no logprob", raw(False, False))]
     print(f"{args.model}: {args.prompts} prompts x {args.n} samples x {args.max_tokens} tokens, options {options}")
     for label, fn in variants:
         secs, tokens = timed(fn, args.repeats)
-        print(f"  {label:50s} {secs:7.3f} s  {tokens / secs:10,.0f} tokens/s  ({tokens} tokens)", flush=True)
+        print(f"  {label:58s} {secs:7.3f} s  {tokens / secs:10,.0f} tokens/s  ({tokens} tokens)", flush=True)
+
+    # the garbage collector's passes over one call (vLLM's objects live in the trainer's process)
+    import gc
+    spent, began = [0.0, 0.0, 0.0], {}
+
+    def on_gc(phase, info):
+        if phase == "start":
+            began["t"] = time.perf_counter()
+        elif "t" in began:
+            spent[info["generation"]] += time.perf_counter() - began.pop("t")
+    counts = [g["collections"] for g in gc.get_stats()]
+    gc.callbacks.append(on_gc)
+    t0 = time.perf_counter()
+    ours()
+    wall = time.perf_counter() - t0
+    gc.callbacks.remove(on_gc)
+    runs = [g["collections"] - c for g, c in zip(gc.get_stats(), counts)]
+    print(f"garbage collector over one gearshift generate ({wall:.3f} s): passes by generation {runs}, "
+          f"{sum(spent):.3f} s in them ({', '.join(f'{x:.3f}' for x in spent)}); "
+          f"objects tracked {len(gc.get_objects()):,}")
 
     prof = cProfile.Profile()
     prof.enable()

@@ -107,3 +107,26 @@ def test_seeded_prompts_over_one_step_of_tokens_generate(engine):
     out = engine.generate(prompts, sampling)
     assert len(out) == 80 and all(len(r.token_ids) == 4 for r in out)
     assert [r.token_ids for r in engine.generate(prompts, sampling)] == [r.token_ids for r in out]
+
+
+def test_sampled_logprobs_read_flat_and_per_token_containers_alike():
+    """gearshift asks for flat logprobs (a few lists a request, not a dict and an object per token); a vLLM
+    without them, or positions holding more than the sampled token, give the same values."""
+    from types import SimpleNamespace
+
+    from vllm.logprobs import FlatLogprobs, Logprob
+
+    import vllm
+
+    from gearshift_vllm.requests import sampled_logprobs, vllm_sampling
+
+    assert vllm_sampling(vllm, SamplingParams(), 0, 100).flat_logprobs
+    tokens = [5, 9, 2]
+    per_token = [{5: Logprob(-0.5, 1)}, {9: Logprob(-1.25, 3), 4: Logprob(-0.1, 1)}, {7: Logprob(-0.2, 1),
+                                                                                      2: Logprob(-2.0, 2)}]
+    flat_one, flat_more = FlatLogprobs(), FlatLogprobs()
+    flat_one.extend([{t: step[t]} for t, step in zip(tokens, per_token)])
+    flat_more.extend(per_token)
+    expected = [-0.5, -1.25, -2.0]
+    for container in (per_token, flat_one, flat_more):
+        assert sampled_logprobs(SimpleNamespace(logprobs=container), tokens) == expected
