@@ -96,9 +96,11 @@ def test_a_scheduler_that_fails_while_generating_is_an_error_in_the_call_and_the
     assert len(out) == 1 and out[0].token_ids  # the session's engine still serves
 
 
-def test_a_scheduler_gone_between_calls_is_an_error_in_the_next_call(gearshift_model, sglang_options):
+def test_a_scheduler_gone_between_calls_is_an_error_in_the_next_call(serving_model_weights, gearshift_model,
+                                                                     sglang_options):
     """A scheduler that dies while the trainer trains (killed, out of host memory) is found at the next call,
-    which would otherwise wait forever on it."""
+    which would otherwise wait forever on it. A SIGQUIT of no process of the engine in a call (the watchdog of an
+    engine ended before) leaves that call be."""
     import os
     import signal
 
@@ -119,3 +121,6 @@ def test_a_scheduler_gone_between_calls_is_an_error_in_the_next_call(gearshift_m
         assert not _children_left(before), "the failed engine left processes behind"
     finally:
         engine.close()
+    os.kill(os.getpid(), signal.SIGQUIT)  # the event loop hands it to the next call: the session engine's
+    out = serving_model_weights.generate([[1, 2, 3]], SamplingParams(max_tokens=2, temperature=0.0))
+    assert len(out) == 1 and out[0].token_ids

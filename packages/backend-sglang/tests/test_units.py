@@ -316,3 +316,26 @@ def test_on_a_gpu_sglangs_share_of_free_memory_fits_the_weights_and_the_batchs_k
     # the user's own engine_kwargs go to SGLang unchecked, as they are
     raw = SGLangRolloutEngine.Options(engine_kwargs={"mem_fraction_static": 0.2})
     assert _arguments_on(True, raw, free=10e9, weights=30.4e9)["mem_fraction_static"] == 0.2
+
+
+def test_the_walk_over_zmq_contexts_passes_weak_proxies_whose_referent_is_gone():
+    """`isinstance` asks a weak proxy for its referent's class: one left dangling raised ReferenceError at the
+    next engine's start (seen after an engine whose scheduler failed)."""
+    import weakref
+
+    import zmq
+
+    from gearshift_sglang.host import zmq_contexts
+
+    class Thing:
+        pass
+
+    thing = Thing()
+    proxy = weakref.proxy(thing)
+    del thing
+    context = zmq.Context()
+    try:
+        assert id(context) in zmq_contexts()
+        assert proxy is not None  # dangling, and still tracked by the collector
+    finally:
+        context.term()

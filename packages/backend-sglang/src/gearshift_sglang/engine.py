@@ -51,8 +51,8 @@ from gearshift.weights import WeightBucket, WeightError, WeightSpec
 from .arguments import SGLangOptions, engine_arguments
 from .host import (FAILED_RUNNING, SchedulerFailed, StartFailed, cache_environment, close_zmq_contexts, contained,
                    default_cache_dir, drop_channels, end_interrupted_calls, end_processes, ending_only,
-                   failed_before_first_call, failed_while_starting, guard_sigquit, quiet_custom_handler_line,
-                   scheduler_failed, started_processes, watch_schedulers, zmq_contexts)
+                   failed_before_first_call, failed_while_starting, guard_sigquit, in_call, quiet_custom_handler_line,
+                   scheduler_failed, started_processes, stop_watchdog, watch_schedulers, zmq_contexts)
 from .imports import cpu_environment, gpu_environment, importing_sglang
 from .weights import FlatBuckets, Sources
 
@@ -205,9 +205,10 @@ class SGLangRolloutEngine(RolloutEngine):
         if self._engine is None:
             raise RolloutError(self._closed_because)
         try:
-            if not all(_alive(p) for p in self._watched):
+            if self._dead():
                 raise SchedulerFailed(FAILED_RUNNING)  # it failed between calls
-            with contained(self._env, self._tmp, self._loop_policy):
+            with in_call(self._engine.tokenizer_manager, self._dead), \
+                    contained(self._env, self._tmp, self._loop_policy):
                 yield
         except Exception as e:
             if isinstance(e, SchedulerFailed) or scheduler_failed(self._engine):
@@ -216,11 +217,16 @@ class SGLangRolloutEngine(RolloutEngine):
                     raise SchedulerFailed(FAILED_RUNNING) from e
             raise
 
+    def _dead(self) -> bool:
+        """Whether a process the engine's start added to the host (scheduler, detokenizer) has ended."""
+        return not all(_alive(p) for p in self._watched)
+
     def _abandon(self) -> None:
         """After its scheduler failed: end the engine's processes and close it, the host kept alive."""
         engine, self._engine = self._engine, None
         self._closed_because = f"the sglang engine is closed: {FAILED_RUNNING}"
         atexit.unregister(self.close)
+        stop_watchdog(engine)
         end_processes(self._processes)
         others = {t for e in list(_LIVE) if e._engine is not None
                   for t in getattr(e._engine.tokenizer_manager, "asyncio_tasks", ())}

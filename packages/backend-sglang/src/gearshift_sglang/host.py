@@ -93,6 +93,50 @@ def failed_before_first_call(signum, frame) -> None:
     logger.error("SIGQUIT from an SGLang process: a scheduler failed; its engine's next call says so")
 
 
+#: the call into a running engine now, if any: (SGLang's tokenizer manager, whether that engine's processes died)
+_in_call: list = []
+#: how long a SIGQUIT waits for a process of the engine in the call to end before it is taken for another's
+#: (a failed scheduler sends SIGQUIT, then exits; SGLang's watchdog of a closed engine sends one too)
+QUIT_GRACE_S = 10.0
+QUIT_POLL_S = 0.1
+
+
+@contextmanager
+def in_call(manager, dead) -> Iterator[None]:
+    """Around a call into a running engine: a SIGQUIT during it is that engine's failure if one of its processes
+    ends (`dead()` true) within `QUIT_GRACE_S`."""
+    _in_call.append((manager, dead))
+    try:
+        yield
+    finally:
+        _in_call.pop()
+
+
+def _on_running_quit() -> None:
+    """SIGQUIT, given by SGLang's event loop while a call runs on it: stop the call once one of its engine's
+    processes has ended (`scheduler_failed` then says so); a SIGQUIT of no process of that engine (the watchdog
+    of an engine closed before) is logged and ignored."""
+    if not _in_call:
+        logger.warning("SIGQUIT from an SGLang process outside any call: ignored (the next call checks its engine)")
+        return
+    manager, dead = _in_call[-1]
+    loop = manager.event_loop
+    deadline = loop.time() + QUIT_GRACE_S
+
+    def check() -> None:
+        if not _in_call or _in_call[-1][0] is not manager:
+            return  # that call ended: the engine's next call checks its processes itself
+        if dead():
+            logger.error("SIGQUIT from an SGLang process: the engine's scheduler failed")
+            manager.gearshift_failed = True
+            loop.stop()
+        elif loop.time() < deadline:
+            loop.call_later(QUIT_POLL_S, check)
+        else:
+            logger.warning("SIGQUIT from an SGLang process, but the engine in the call runs on: ignored")
+    check()
+
+
 def watch_schedulers(engine) -> None:
     """Once `engine` (SGLang's) runs, SIGQUIT from its scheduler ends the call that waits on it (its event loop
     stopped) and `scheduler_failed` says so, where SGLang's own handler, given the signal by the tokenizer
@@ -101,16 +145,20 @@ def watch_schedulers(engine) -> None:
 
     class StopOnFailure(SignalHandler):
         def running_phase_sigquit_handler(self, signum=None, frame=None):
-            manager = self.tokenizer_manager
-            logger.error("SIGQUIT from an SGLang scheduler: it failed")
-            manager.gearshift_failed = True
-            if manager.event_loop is not None and manager.event_loop.is_running():
-                manager.event_loop.stop()
+            _on_running_quit()
 
     manager = engine.tokenizer_manager
     manager.signal_handler_class = StopOnFailure
     if manager.event_loop is not None and threading.current_thread() is threading.main_thread():
         manager.event_loop.add_signal_handler(signal.SIGQUIT, StopOnFailure(manager).running_phase_sigquit_handler)
+
+
+def stop_watchdog(engine) -> None:
+    """Stop SGLang's thread that watches `engine`'s processes: once they are ended on purpose, it would send the
+    host SIGQUIT for each."""
+    watchdog = getattr(getattr(engine, "tokenizer_manager", None), "_subprocess_watchdog", None)
+    if watchdog is not None:
+        watchdog.stop()
 
 
 def end_interrupted_calls(engine, keep: set) -> None:
@@ -131,11 +179,12 @@ def scheduler_failed(engine) -> bool:
 
 
 def _live_zmq_contexts() -> list:
-    """The ZeroMQ contexts alive now (a walk over the collector's objects; none before zmq is imported)."""
+    """The ZeroMQ contexts alive now (a walk over the collector's objects; none before zmq is imported). By
+    `type()`: `isinstance` asks a weak proxy for its referent's class, and one whose referent is gone raises."""
     import gc
 
     zmq = sys.modules.get("zmq")
-    return [o for o in gc.get_objects() if isinstance(o, zmq.Context)] if zmq is not None else []
+    return [o for o in gc.get_objects() if issubclass(type(o), zmq.Context)] if zmq is not None else []
 
 
 def zmq_contexts() -> set[int]:
@@ -308,5 +357,5 @@ def contained(env: dict[str, str], tmp: str | os.PathLike | None = None,
 __all__ = ["HostState", "MAX_SOCKET_DIR", "OWN_PREFIX", "SchedulerFailed", "StartFailed", "cache_environment",
            "close_zmq_contexts", "contained", "default_cache_dir", "drop_channels", "end_interrupted_calls",
            "end_processes", "ending_only", "failed_before_first_call", "failed_while_starting", "guard_sigquit",
-           "quiet_custom_handler_line", "scheduler_failed", "started_processes", "temp_dir", "watch_schedulers",
-           "zmq_contexts"]
+           "in_call", "quiet_custom_handler_line", "scheduler_failed", "started_processes", "stop_watchdog",
+           "temp_dir", "watch_schedulers", "zmq_contexts"]
