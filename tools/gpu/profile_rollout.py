@@ -79,7 +79,7 @@ def main() -> int:
             return sum(len(c.token_ids) for o in outs for c in o.outputs)
         return call
 
-    variants = [("gearshift generate (seed per request, logprob)", ours),
+    variants = [(f"gearshift generate (request_seeds={engine.request_seeds})", ours),
                 ("vLLM generate, seed per request, logprob", raw(True, True)),
                 ("vLLM generate, seed per request, logprob per-token dicts", raw(True, True, flat=False)),
                 ("vLLM generate, no seed per request, logprob", raw(False, True)),

@@ -36,14 +36,17 @@ def test_a_seed_repeats_a_call_and_samples_differ_within_it(engine):
 
 
 def test_a_call_seed_in_place_of_request_seeds_repeats_a_call_and_leaves_the_hosts_generators(engine, monkeypatch):
-    import dataclasses
+    """A seed per request (the CPU's default) and the call's seed (the GPU's) draw different samples, each
+    repeatable."""
     import random
 
     import torch
 
     sampling = SamplingParams(n=4, temperature=1.0, max_tokens=8, seed=7)
+    assert engine.options.request_seeds is None and engine.request_seeds is True  # None: per request on a CPU
     by_request = engine.generate(PROMPTS, sampling)
-    monkeypatch.setattr(engine, "options", dataclasses.replace(engine.options, request_seeds=False))
+    assert [r.token_ids for r in engine.generate(PROMPTS, sampling)] == [r.token_ids for r in by_request]
+    monkeypatch.setattr(engine, "request_seeds", False)
     torch.manual_seed(99)
     random.seed(99)
     host = torch.get_rng_state(), random.getstate()

@@ -50,10 +50,13 @@ class VLLMOptions:
     tp_slices: bool = option(True, "with tp > 1, declare each rank's slice of the tensor-parallel weights, so a "
                                    "sync sends each rank only what it keeps (False: whole weights, which "
                                    "vLLM's loaders cut on arrival)")
-    request_seeds: bool = option(True, "a seeded call gives each request a seed of its own, whatever batch it "
-                                       "is in (vLLM then draws each request's noise apart, one call per request "
-                                       "and step); False: the call's seed seeds the engine's generator, the "
-                                       "same samples for the same call, drawn for the whole batch at once")
+    request_seeds: bool | None = option(None, "True: a seeded call gives each request a seed of its own, whatever "
+                                               "batch it is in; False: the call's seed seeds the engine's "
+                                               "generator, the same samples for the same call, drawn for the "
+                                               "whole batch at once; None: True on a CPU (vLLM's CPU sampler "
+                                               "draws a seed per row anyway), False on a GPU (where vLLM draws "
+                                               "each seeded request's noise apart: a 0.5B rollout of 32 x 8 x "
+                                               "256 tokens took 4.0 s against 2.9 s on an H100)")
     engine_kwargs: dict[str, Any] = option({}, "passed to vllm.LLM as they are")
 
 

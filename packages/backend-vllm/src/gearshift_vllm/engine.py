@@ -97,6 +97,8 @@ class VLLMRolloutEngine(RolloutEngine):
         opts = self.options
         self.model_path = args.model
         self.on_gpu = torch.cuda.is_available()
+        #: a seed per request, or the call's seed for the engine's generator (`Options.request_seeds`)
+        self.request_seeds = not self.on_gpu if opts.request_seeds is None else bool(opts.request_seeds)
         self.device = gdist.default_device()
         self.rank = gdist.rank()
         self.dtype = args.torch_dtype
@@ -212,7 +214,7 @@ class VLLMRolloutEngine(RolloutEngine):
     def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams) -> list[Rollout]:
         self.check_prompts(prompts, sampling, self._vocab_size)
         requests = [{"prompt_token_ids": [int(t) for t in p]} for p in prompts]
-        by_request = self.options.request_seeds
+        by_request = self.request_seeds
         params = [vllm_sampling(self._vllm, sampling, i, self.max_model_len - len(p), by_request)
                   for i, p in enumerate(prompts)]
         self._prefixes = True
