@@ -17,13 +17,15 @@
 #   CELLS=... bash tools/gpu/h200_sglang.sh scenario
 #                                              GRPO cells of tools/gpu/grpo_scenario.py with --rollout sglang,
 #                                              32 prompts x 8 x 256 tokens, 20 steps (0.5B by default)
+#   bash tools/gpu/h200_sglang.sh load-profile tools/gpu/profile_sglang_load.py at 7B from bf16 masters (MODELS,
+#                                              TRAIN_DTYPE): the load's parts in the scheduler and the host's side
 #   bash tools/gpu/h200_sglang.sh build        the random 0.5B and 7B presets, drawn on the GPU (a fresh machine
 #                                              builds what the others need on first use: 7B takes minutes)
 # Several at once: `bash tools/gpu/h200_sglang.sh conformance bench`. Output under $OUT (the device tool brings
 # it back).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
-[ $# -ge 1 ] || { echo "what to run: conformance, bench, rollout, scenario, build"; exit 2; }
+[ $# -ge 1 ] || { echo "what to run: conformance, bench, rollout, scenario, build, load-profile"; exit 2; }
 out=${OUT:-/tmp/out}
 mkdir -p "$out"
 source tools/gpu/vllm_env.sh  # the gearshift wheels (and the vLLM carry, where it came along) into /tmp/site
@@ -71,6 +73,13 @@ for what in "$@"; do
         --out "$out/scenario" 2>&1 | quiet | tail -40
       stopped "${PIPESTATUS[0]}" "scenario"
       cp "$out/scenario/scenario.json" "$out/scenario-sglang-${TAG:-run}.json" 2>/dev/null ;;
-    *) echo "unknown: $what (conformance, bench, scenario, build)"; exit 2 ;;
+    load-profile)  # the sync's load split into the scheduler's parts and the host's side (profile_sglang_load.py)
+      for m in ${MODELS:-qwen2-7b}; do
+        timeout "${LIMIT:-300}" python3 tools/gpu/profile_sglang_load.py --model "$m" \
+          --train-options "{\"param_dtype\": \"bfloat16\", \"dtype\": \"${TRAIN_DTYPE:-bfloat16}\"}" 2>&1 | quiet \
+          | tee "$out/load-profile-$m.log" | tail -14
+        stopped "${PIPESTATUS[0]}" "load-profile $m"
+      done ;;
+    *) echo "unknown: $what (conformance, bench, rollout, scenario, build, load-profile)"; exit 2 ;;
   esac
 done

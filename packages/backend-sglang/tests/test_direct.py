@@ -312,3 +312,26 @@ def test_on_290_tensors_a_sync_takes_a_small_part_of_sglangs_own_load(sglang_cac
     assert found["landed"] == found["tensors"] == 290
     assert found["sync"] <= 0.08 * found["own"]
     assert found["lent"] <= 0.08 * found["own"] and found["handed"] == 1
+
+
+def test_the_scheduler_reports_where_the_last_updates_time_went(engine, original):
+    """`load_times()`: the parts of the last update measured inside the scheduler, summed over its calls, so a
+    sync's time splits into the scheduler's work and the host's side with the calls' round trips."""
+    import time
+
+    t0 = time.perf_counter()
+    engine.update_weights(as_buckets(original, engine.device))  # through the flat buffer, in groups
+    host = time.perf_counter() - t0
+    times = engine.load_times()
+    assert times["calls"] >= 1 and times["copy"] > 0 and "check" in times
+    assert sum(v for k, v in times.items() if k != "calls") < host, "the scheduler's parts outlast the whole"
+    trainer = {n: t.clone() for n, t in original.items()}
+    try:
+        engine.update_weights(lent_buckets(trainer))
+        lent = engine.load_times()
+        assert lent["calls"] == 1 and lent["copy"] > 0 and "receive" in lent  # handed over in this call
+        engine.update_weights(lent_buckets(trainer))
+        assert engine.load_times()["receive"] < 0.01  # the same tensors: nothing handed over
+    finally:
+        engine.release_sources()
+        engine.update_weights(as_buckets(original, engine.device))

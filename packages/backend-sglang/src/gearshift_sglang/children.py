@@ -19,7 +19,9 @@ The scheduler gets two methods that the engine calls through SGLang's
   This is SGLang's own `freeze_gc`, applied to the scheduler only (SGLang's
   `Engine.freeze_gc()` would freeze the host's heap too).
 - `gearshift_report(path)`: writes the bytes held by the model's parameters and
-  by the KV cache to `path` as JSON (an RPC answers only success or failure).
+  by the KV cache, and the seconds each part of the last weight update took in
+  the scheduler (`direct.DirectLoad.times`), to `path` as JSON (an RPC answers
+  only success or failure).
 - `gearshift_map_weights(spec_path, checkpoint, path)`: once at start, works out
   where each weight of the pickled spec at `spec_path` lands in the model's
   parameters, verified against the checkpoint in folder `checkpoint`, and writes
@@ -85,8 +87,9 @@ def _report(self, path: str) -> None:
     weights = tensor_bytes(list(runner.model.parameters()))
     pool = runner.token_to_kv_pool
     kv = tensor_bytes([getattr(pool, name, None) for name in ("k_buffer", "v_buffer", "kv_buffer")])
+    direct = getattr(self, "gearshift_direct", None)
     with open(path, "w", encoding="utf-8") as f:
-        json.dump({"weights": weights, "kv_cache": kv}, f)
+        json.dump({"weights": weights, "kv_cache": kv, "load_times": dict(direct.times) if direct else {}}, f)
 
 
 def _map_weights(self, spec_path: str, checkpoint: str, path: str) -> None:

@@ -32,7 +32,9 @@ directly.
 
 from __future__ import annotations
 
+import time
 import warnings
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
@@ -77,6 +79,11 @@ class DirectLoad:
         #: the trainer's own tensors handed over (`sources`), kept between syncs, and where each lands
         self.sources: Layout | None = None
         self.checked_update = -1
+        #: seconds each part of the last update's calls took in this process: receive (buffer or tensors
+        #: opened), check (the views still SGLang's parameters), loader (SGLang's own), copy (the copies
+        #: issued), wait (until the device finished them), and "calls" (how many)
+        self.times: dict[str, float] = {}
+        self.times_update = -1
 
     # --- at start -----------------------------------------------------------------------
     def map(self, spec: WeightSpec, checkpoint: str) -> dict:
@@ -117,14 +124,17 @@ class DirectLoad:
     def load(self, payload: str, buffer: int, layout: int, update: int, loader_allowed: bool = True) -> None:
         """Load one bucket: `payload` (empty when this buffer and layout were received before) names them.
         Weights that did not land are refused unless `loader_allowed` (SGLang's loader may run now)."""
+        self._start_timing(update)
         self._apply(self._plan(payload, buffer, layout, update), loader_allowed)
 
     def copy_sources(self, payload: str, update: int, loader_allowed: bool = True) -> None:
         """Copy the trainer's tensors into SGLang's parameters: those of `payload` (SGLang's serialized
         (name, tensor) list, kept from now on), or with an empty one those kept from before."""
-        if payload:
-            self.sources = None  # the old ones go first: a failure below leaves none
-            self.sources = Layout.of(_deserialize(payload), self.landing)
+        self._start_timing(update)
+        with self._timed("receive"):
+            if payload:
+                self.sources = None  # the old ones go first: a failure below leaves none
+                self.sources = Layout.of(_deserialize(payload), self.landing)
         if self.sources is None:
             raise RuntimeError("gearshift: no trainer tensors were handed to this scheduler")
         self._check_once(update)
@@ -133,19 +143,36 @@ class DirectLoad:
     def release_sources(self) -> None:
         self.sources = None
 
+    def _start_timing(self, update: int) -> None:
+        if update != self.times_update:
+            self.times, self.times_update = {}, update
+        self.times["calls"] = self.times.get("calls", 0) + 1
+
+    @contextmanager
+    def _timed(self, part: str):
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.times[part] = self.times.get(part, 0.0) + time.perf_counter() - t0
+
     def _apply(self, plan: Layout, loader_allowed: bool) -> None:
         if plan.rest:  # first: a refusal by SGLang then leaves the whole bucket unapplied
-            self._through_loader(plan.rest, loader_allowed)
+            with self._timed("loader"):
+                self._through_loader(plan.rest, loader_allowed)
         if plan.dsts:
-            copy_weights_(plan.dsts, plan.srcs)
+            with self._timed("copy"):
+                copy_weights_(plan.dsts, plan.srcs)
         if plan.named and plan.named[0][1].is_cuda:
             # the host writes the next bucket into the same buffer, or the trainer its next step into its
             # tensors, as soon as this call returns
-            torch.cuda.current_stream().synchronize()
+            with self._timed("wait"):
+                torch.cuda.current_stream().synchronize()
 
     def _plan(self, payload: str, buffer: int, layout: int, update: int) -> Layout:
         if payload:
-            self._receive(payload, buffer, layout)
+            with self._timed("receive"):
+                self._receive(payload, buffer, layout)
         if buffer != self.buffer_id or layout not in self.layouts:
             raise RuntimeError(f"gearshift: layout {layout} of buffer {buffer} was never received by this scheduler "
                                f"(it holds buffer {self.buffer_id})")
@@ -156,7 +183,8 @@ class DirectLoad:
         """Once per update: the views are still SGLang's parameters (`_check_views`)."""
         if update != self.checked_update:
             self.checked_update = update
-            self._check_views()
+            with self._timed("check"):
+                self._check_views()
 
     def _through_loader(self, named: list[tuple[str, torch.Tensor]], allowed: bool) -> None:
         if not allowed:

@@ -495,13 +495,24 @@ class SGLangRolloutEngine(RolloutEngine):
                 self._released.discard(tag)
         self.asleep -= tags
 
-    def resident_bytes(self) -> dict[str, int]:
-        """Bytes the scheduler process holds in the model's parameters and the KV cache, measured there."""
+    def _report(self) -> dict:
+        """The scheduler's report (children.py `gearshift_report`)."""
         report = self._tmp / f"memory-{id(self)}.json"
         with self._calling_sglang():
             self._engine.collective_rpc("gearshift_report", path=str(report))
         held = json.loads(report.read_text())
         report.unlink()
+        return held
+
+    def load_times(self) -> dict[str, float]:
+        """Seconds each part of the last weight update took inside the scheduler process (written directly into
+        its parameters; empty when everything went through SGLang's loader): receive, check, loader, copy,
+        wait, and the number of calls. The rest of an update's time is the host's and the calls' round trips."""
+        return self._report()["load_times"]
+
+    def resident_bytes(self) -> dict[str, int]:
+        """Bytes the scheduler process holds in the model's parameters and the KV cache, measured there."""
+        held = self._report()
         return {"weights": 0 if "weights" in self._released and self.on_gpu else held["weights"],
                 "kv_cache": 0 if "kv_cache" in self._released and self.on_gpu else held["kv_cache"]}
 

@@ -1,0 +1,84 @@
+#!/usr/bin/env python3
+"""Where an fsdp -> sglang sync's time goes: the host's side against the scheduler's, over a few switches.
+
+    python3 tools/gpu/profile_sglang_load.py --model qwen2-7b --train-options '{"dtype": "bfloat16"}'
+
+After warm-up switches, each switch to rollout is timed by its `SwitchReport` (export, load) and the scheduler
+reports the parts of the load it ran itself (`SGLangRolloutEngine.load_times`: receive, check, loader, copy,
+wait); the load's rest is the host's side of the calls (serializing, ZeroMQ, waiting for the scheduler's loop).
+Prints each part's median, and the same bytes copied once by `_foreach_copy_` in this process for scale. Runs
+on a CPU too (a tiny model, through the flat buffer). A tool, not a test.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+
+from gearshift import dist as gdist, registry
+from gearshift.hybrid import HybridActor
+from gearshift.models import resolve_model
+
+PARTS = ("receive", "check", "loader", "copy", "wait")
+
+
+def foreach_copy_s(tensors: list[torch.Tensor], repeats: int) -> float:
+    """Median seconds of one `_foreach_copy_` of `tensors` into fresh tensors like them (synchronized)."""
+    dsts = [torch.empty_like(t) for t in tensors]
+    times = []
+    for _ in range(repeats):
+        gdist.synchronize()
+        t0 = time.perf_counter()
+        torch._foreach_copy_(dsts, tensors)
+        gdist.synchronize()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="qwen2-0.5b")
+    p.add_argument("--train", default="fsdp")
+    p.add_argument("--train-options", default="{}", help="JSON: train engine options")
+    p.add_argument("--rollout-options", default='{"dtype": "bfloat16"}', help="JSON: sglang engine options")
+    p.add_argument("--switches", type=int, default=5)
+    args = p.parse_args()
+    gdist.init()
+    path = resolve_model(args.model)
+    train = registry.create("train", args.train, model=path, **json.loads(args.train_options))
+    rollout = registry.create("rollout", "sglang", model=path, **json.loads(args.rollout_options))
+    actor = HybridActor(train, rollout, offload=())
+    for _ in range(2):
+        actor.to_rollout()
+        actor.to_train()
+    rows = []
+    for _ in range(args.switches):
+        report = actor.to_rollout()
+        phases = {ph.name: ph.seconds for ph in report.phases}
+        rows.append({"export": phases.get("export", 0.0), "load": phases.get("load", 0.0),
+                     **rollout.load_times()})
+        actor.to_train()
+    med = {k: statistics.median(r.get(k, 0.0) for r in rows) for k in ("export", "load", "calls", *PARTS)}
+    inside = sum(med[k] for k in PARTS)
+    tensors = [t for t in train.model.parameters()] if hasattr(train, "model") else []
+    lines = [f"{args.model}: {args.train} -> sglang, medians of {args.switches} switches (ms)",
+             f"  export (host)                     {med['export'] * 1e3:8.2f}",
+             f"  load (host, whole)                {med['load'] * 1e3:8.2f}   {med['calls']:.0f} call(s)"]
+    lines += [f"    {k:30s}  {med[k] * 1e3:8.2f}   (in the scheduler)" for k in PARTS]
+    lines.append(f"    {'round trips and the host side':30s}  {(med['load'] - inside) * 1e3:8.2f}")
+    if tensors:
+        local = [t.to_local() if hasattr(t, "to_local") else t for t in (x.data for x in tensors)]
+        lines.append(f"  one _foreach_copy_ of the trainer's {len(local)} tensors here: "
+                     f"{foreach_copy_s(local, 5) * 1e3:.2f}")
+    if gdist.rank() == 0:
+        print("\n".join(lines), flush=True)
+    rollout.close()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
