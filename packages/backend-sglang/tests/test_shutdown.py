@@ -58,9 +58,7 @@ def test_a_scheduler_that_fails_to_start_is_an_error_in_the_host_and_leaves_no_p
     with pytest.raises(StartFailed, match="failed while the engine started"):
         SGLangRolloutEngine.build(str(model), **sglang_options)
     assert signal.getsignal(signal.SIGQUIT) is running_rule, "the running engine's SIGQUIT rule was not put back"
-    left = [" ".join(p.cmdline()) for p in psutil.Process().children(recursive=True)
-            if p.pid not in before and p.is_running() and p.status() != psutil.STATUS_ZOMBIE
-            and "resource_tracker" not in " ".join(p.cmdline())]
+    left = _children_left(before)
     assert not left, f"the failed start left processes behind: {left}"
     out = serving_model_weights.generate([[1, 2, 3]], SamplingParams(max_tokens=2, temperature=0.0))
     assert len(out) == 1 and out[0].token_ids  # the session's engine still serves

@@ -50,9 +50,9 @@ from gearshift.weights import WeightBucket, WeightError, WeightSpec
 
 from .arguments import SGLangOptions, engine_arguments
 from .host import (FAILED_RUNNING, SchedulerFailed, StartFailed, cache_environment, close_zmq_contexts, contained,
-                   default_cache_dir, drop_channels, end_interrupted_calls, end_processes, ending_only,
-                   failed_before_first_call, failed_while_starting, guard_sigquit, in_call, quiet_custom_handler_line,
-                   scheduler_failed, started_processes, stop_watchdog, watch_schedulers, zmq_contexts)
+                   default_cache_dir, drop_channels, end_processes, ending_only, failed_before_first_call,
+                   failed_while_starting, guard_sigquit, in_call, quiet_custom_handler_line, started_processes,
+                   stop_watchdog, watch_schedulers, zmq_contexts)
 from .imports import cpu_environment, gpu_environment, importing_sglang
 from .weights import FlatBuckets, Sources
 
@@ -211,7 +211,7 @@ class SGLangRolloutEngine(RolloutEngine):
                     contained(self._env, self._tmp, self._loop_policy):
                 yield
         except Exception as e:
-            if isinstance(e, SchedulerFailed) or scheduler_failed(self._engine):
+            if isinstance(e, SchedulerFailed) or self._dead():  # the call ended on a scheduler gone
                 self._abandon()
                 if not isinstance(e, SchedulerFailed):
                     raise SchedulerFailed(FAILED_RUNNING) from e
@@ -231,8 +231,7 @@ class SGLangRolloutEngine(RolloutEngine):
         others = {t for e in list(_LIVE) if e._engine is not None
                   for t in getattr(e._engine.tokenizer_manager, "asyncio_tasks", ())}
         with contained(self._env, self._tmp, self._loop_policy):
-            end_interrupted_calls(engine, others)
-            drop_channels(engine)
+            drop_channels(engine, keep=others)
         self._flat.release()
         self._sources.release()
 

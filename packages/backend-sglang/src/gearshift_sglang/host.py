@@ -114,7 +114,7 @@ def in_call(manager, dead) -> Iterator[None]:
 
 def _on_running_quit() -> None:
     """SIGQUIT, given by SGLang's event loop while a call runs on it: stop the call once one of its engine's
-    processes has ended (`scheduler_failed` then says so); a SIGQUIT of no process of that engine (the watchdog
+    processes has ended (the engine then finds it gone); a SIGQUIT of no process of that engine (the watchdog
     of an engine closed before) is logged and ignored."""
     if not _in_call:
         logger.warning("SIGQUIT from an SGLang process outside any call: ignored (the next call checks its engine)")
@@ -128,7 +128,6 @@ def _on_running_quit() -> None:
             return  # that call ended: the engine's next call checks its processes itself
         if dead():
             logger.error("SIGQUIT from an SGLang process: the engine's scheduler failed")
-            manager.gearshift_failed = True
             loop.stop()
         elif loop.time() < deadline:
             loop.call_later(QUIT_POLL_S, check)
@@ -139,7 +138,7 @@ def _on_running_quit() -> None:
 
 def watch_schedulers(engine) -> None:
     """Once `engine` (SGLang's) runs, SIGQUIT from its scheduler ends the call that waits on it (its event loop
-    stopped) and `scheduler_failed` says so, where SGLang's own handler, given the signal by the tokenizer
+    stopped, see `_on_running_quit`), where SGLang's own handler, given the signal by the tokenizer
     manager's event loop, kills the host's whole process tree. On the main thread only (SGLang's rule too)."""
     from sglang.srt.managers.tokenizer_manager import SignalHandler
 
@@ -159,23 +158,6 @@ def stop_watchdog(engine) -> None:
     watchdog = getattr(getattr(engine, "tokenizer_manager", None), "_subprocess_watchdog", None)
     if watchdog is not None:
         watchdog.stop()
-
-
-def end_interrupted_calls(engine, keep: set) -> None:
-    """After a scheduler failed in a call: cancel the call's tasks left pending on SGLang's event loop (shared by
-    the engines of a thread), all but the `keep` tasks (other engines' own). Left pending, the collector ran them
-    at exit, sending on closed sockets."""
-    loop = engine.loop
-    tasks = [t for t in asyncio.all_tasks(loop) if t not in keep and not t.done()]
-    for task in tasks:
-        task.cancel()
-    if tasks:
-        loop.run_until_complete(asyncio.gather(*tasks, return_exceptions=True))
-
-
-def scheduler_failed(engine) -> bool:
-    """Whether a SIGQUIT told `engine`'s event loop (see `watch_schedulers`) that a scheduler failed."""
-    return bool(getattr(engine.tokenizer_manager, "gearshift_failed", False))
 
 
 def _live_zmq_contexts() -> list:
@@ -328,13 +310,18 @@ def ending_only(processes: list) -> Iterator[None]:
         sglang_engine.kill_process_tree = own
 
 
-def drop_channels(engine) -> None:
+def drop_channels(engine, keep: set | None = None) -> None:
     """After `Engine.shutdown`: cancel the tokenizer manager's tasks and close its sockets at once.
 
     Left to the garbage collector, pyzmq's context closes them with the default linger and then waits, forever,
-    for messages to reach a scheduler that is gone: the host hung at its next collection."""
+    for messages to reach a scheduler that is gone: the host hung at its next collection. With `keep` (other
+    engines' own tasks), after a scheduler failed in a call: every task of SGLang's event loop (shared by the
+    engines of a thread) but those, the interrupted call's included; left pending, the collector ran them at
+    exit, sending on closed sockets."""
     manager = getattr(engine, "tokenizer_manager", None)
-    tasks = [t for t in getattr(manager, "asyncio_tasks", ()) if not t.done()]
+    tasks = (getattr(manager, "asyncio_tasks", ()) if keep is None
+             else [t for t in asyncio.all_tasks(engine.loop) if t not in keep])
+    tasks = [t for t in tasks if not t.done()]
     for task in tasks:  # cancelled, not failed: a failed task's wrapper would end the host's process tree
         task.cancel()
     if tasks:
@@ -355,7 +342,7 @@ def contained(env: dict[str, str], tmp: str | os.PathLike | None = None,
 
 
 __all__ = ["HostState", "MAX_SOCKET_DIR", "OWN_PREFIX", "SchedulerFailed", "StartFailed", "cache_environment",
-           "close_zmq_contexts", "contained", "default_cache_dir", "drop_channels", "end_interrupted_calls",
-           "end_processes", "ending_only", "failed_before_first_call", "failed_while_starting", "guard_sigquit",
-           "in_call", "quiet_custom_handler_line", "scheduler_failed", "started_processes", "stop_watchdog",
-           "temp_dir", "watch_schedulers", "zmq_contexts"]
+           "close_zmq_contexts", "contained", "default_cache_dir", "drop_channels", "end_processes", "ending_only",
+           "failed_before_first_call", "failed_while_starting", "guard_sigquit", "in_call",
+           "quiet_custom_handler_line", "started_processes", "stop_watchdog", "temp_dir", "watch_schedulers",
+           "zmq_contexts"]
