@@ -63,7 +63,7 @@ def test_grpo_with_the_adapter_sync_serves_the_trained_policy_from_vllm(gearshif
         def reward(completion):  # a random model earns it too, so advantages are not all zero
             return len(completion) / 3
         trainer = Trainer(model={{"path": {gearshift_model!r}, "lora": {{"r": 4, "alpha": 8, "sync": "adapter"}}}},
-                          reward=reward, rollout={{"backend": "vllm", "n": 4, "max_tokens": 3,
+                          reward=reward, rollout={{"backend": "vllm", "n": 4, "max_tokens": 3, "logprobs": "always",
                                                   "options": {{"kv_cache_bytes": 64 * 2**20,
                                                                "cache_dir": {str(tmp_path / 'vllm')!r}}}}},
                           train={{"backend": "torch", "lr": 1e-2}},

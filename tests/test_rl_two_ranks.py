@@ -69,7 +69,8 @@ def test_grpo_with_tensor_and_sequence_parallelism(layout, tmp_path):
     out = tmp_path / "run"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(_free_port()),
            "-m", "gearshift", "train", "model.path=tiny4h", "train.backend=fsdp", "rollout.backend=hf", *layout,
-           "run.steps=2", "run.prompts_per_step=4", "rollout.n=2", "rollout.max_tokens=3", "run.checkpoint_every=2",
+           "run.steps=2", "run.prompts_per_step=4", "rollout.n=2", "rollout.max_tokens=3", "rollout.logprobs=always",
+           "run.checkpoint_every=2",
            f"run.output_dir={out}", "run.progress=false", "run.tensorboard=false", "run.plot=false"]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "GEARSHIFT_CACHE": str(tmp_path / "cache"),
            "GEARSHIFT_DIST_TIMEOUT": "120"}

@@ -30,7 +30,7 @@ def test_an_fsdp_pool_sends_each_rollout_replica_its_shards_and_nothing_is_gathe
 
     _ready("train", "fsdp")
     cfg = build_config(None, {
-        "model": {"path": gearshift_model}, "rollout": {"backend": "hf", "n": 2, "max_tokens": 3},
+        "model": {"path": gearshift_model}, "rollout": {"backend": "hf", "n": 2, "max_tokens": 3, "logprobs": "always"},
         "train": {"backend": "fsdp", "lr": 1e-2},
         "run": {"placement": "split", "steps": 2, "prompts_per_step": 4, "output_dir": str(tmp_path / "run"),
                 "progress": False, "tensorboard": False, "plot": False, "checkpoint_every": 0,

@@ -28,7 +28,7 @@ from pathlib import Path
 PRESETS: dict[str, dict] = {
     "rollout-correction": {
         "title": "bf16 rollout (hf), fp32 training (torch), GRPO",
-        "base": ["rollout.backend=hf", "rollout.dtype=bfloat16", "train.backend=torch"],
+        "base": ["rollout.backend=hf", "rollout.dtype=bfloat16", "train.backend=torch", "rollout.logprobs=always"],
         # mis at C=2 masks nothing on this model (ratios stay within about 0.97-1.03), so it would repeat
         # 'none' exactly; a cap of 1.01 shows masking at work
         "variants": {

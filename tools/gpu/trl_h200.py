@@ -58,6 +58,9 @@ UNEQUAL = [
     "advantage normalisation: TRL's group standard deviation has eps 1e-4, gearshift's 1e-6 (all-zero rewards "
     "give zero advantages on both)",
     "the samples themselves: each side draws from its own generator",
+    "the rollout's logprobs: TRL asks vLLM for the sampled token's logprob at every step; gearshift "
+    "(rollout.logprobs=auto, no rollout correction) on the first step and every tenth only, for its mismatch "
+    "figures",
 ]
 
 #: TRL's knobs by shape where a run on one H200 needs them (gearshift finds its own)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -27,6 +28,17 @@ def test_same_seed_same_samples_and_samples_differ(serving_model_weights):
     assert len({tuple(r.token_ids) for r in first if r.prompt_index == 0}) > 1, "the n samples of a prompt differ"
     unseeded = SamplingParams(n=4, temperature=1.0, max_tokens=12)
     assert tokens(engine.generate(PROMPTS, unseeded)) != tokens(engine.generate(PROMPTS, unseeded))
+
+
+def test_a_call_without_logprobs_asks_sglang_for_none(serving_model_weights, monkeypatch):
+    engine = serving_model_weights
+    asked = []
+    generate = engine._engine.generate
+    monkeypatch.setattr(engine._engine, "generate", lambda **kw: asked.append(kw["return_logprob"]) or generate(**kw))
+    sampling = SamplingParams(n=2, temperature=1.0, max_tokens=6, seed=3)
+    full, bare = engine.generate(PROMPTS, sampling), engine.generate(PROMPTS, replace(sampling, logprobs=False))
+    assert asked == [True, False]
+    assert tokens(bare) == tokens(full) and all(r.logprobs == [] for r in bare)
 
 
 def test_unseeded_sampling_leaves_the_host_generators_alone(serving_model_weights):

@@ -124,6 +124,9 @@ def test_sampled_logprobs_read_flat_and_per_token_containers_alike():
     from gearshift_vllm.requests import sampled_logprobs, vllm_sampling
 
     assert vllm_sampling(vllm, SamplingParams(), 0, 100).flat_logprobs
+    assert vllm_sampling(vllm, SamplingParams(), 0, 100).logprobs == 0  # the sampled token's only
+    assert vllm_sampling(vllm, SamplingParams(logprobs=False), 0, 100).logprobs is None  # none computed
+    assert sampled_logprobs(SimpleNamespace(logprobs=None), [5, 9]) == []
     tokens = [5, 9, 2]
     per_token = [{5: Logprob(-0.5, 1)}, {9: Logprob(-1.25, 3), 4: Logprob(-0.1, 1)}, {7: Logprob(-0.2, 1),
                                                                                       2: Logprob(-2.0, 2)}]

@@ -99,6 +99,7 @@ BAD_CHOICES = [
     ("model.dtype", "bf16", "use one of bfloat16, float16, float32"),
     ("model.lora.sync", "both", "use merged or adapter"),
     ("rollout.dtype", "bf16", "use one of bfloat16, float16, float32"),
+    ("rollout.logprobs", "often", "use one of auto, always, never"),
     ("switch.share", "maybe", "use one of auto, on, off"),
     ("run.placement", "ray", "use colocated or split"),
     ("run.pools.reference", "driver", "use train or rollout"),
@@ -365,3 +366,17 @@ def test_a_model_folder_without_a_tokenizer_is_named_before_anything_is_built(ge
     shutil.copytree(gearshift_model, bare, ignore=shutil.ignore_patterns(*TOKENIZER_FILES))
     with pytest.raises(ConfigError, match="has no tokenizer .*copy the model's tokenizer files"):
         check_context(load_config(None, []), str(bare))  # transformers would make one that yields no tokens
+
+
+def test_the_rollout_asks_for_logprobs_on_the_steps_that_read_them():
+    from gearshift.rl.config import MISMATCH_EVERY
+
+    auto = Config()
+    assert [s for s in range(25) if auto.sampling(seed=0, step=s).logprobs] == [0, MISMATCH_EVERY, 2 * MISMATCH_EVERY]
+    assert not auto.sampling(seed=0).logprobs  # no step: an evaluation's rollout
+    corrected = load_config(None, ["algorithm.rollout_correction=tis"])
+    assert all(corrected.sampling(step=s).logprobs for s in range(12))
+    assert all(load_config(None, ["rollout.logprobs=always"]).sampling(step=s).logprobs for s in range(12))
+    assert not any(load_config(None, ["rollout.logprobs=never"]).sampling(step=s).logprobs for s in range(12))
+    with pytest.raises(ConfigError, match="rollout.logprobs=never leaves out: set rollout.logprobs=auto"):
+        load_config(None, ["rollout.logprobs=never", "algorithm.rollout_correction=mis"]).validate()

@@ -122,3 +122,21 @@ def test_eval_every_without_a_held_out_set_is_a_config_error(gearshift_model, tm
     with pytest.raises(ConfigError, match="run.eval_every=2 needs a held-out set: set data.val_path"):
         Trainer(model=gearshift_model, rollout={"backend": "hf"}, train={"backend": "torch"},
                 run={"steps": 1, "eval_every": 2, "output_dir": str(tmp_path), **FAST}).train()
+
+
+def test_the_mismatch_is_measured_on_the_first_step_and_every_tenth(gearshift_model, tmp_path):
+    """rollout.logprobs=auto: no rollout correction reads the engine's logprobs, so only the steps that log the
+    mismatch figures ask for them; a rollout correction asks at every step."""
+    from gearshift.rl.config import MISMATCH_EVERY
+
+    steps = MISMATCH_EVERY + 1
+    common = dict(model=gearshift_model, train={"backend": "torch"},
+                  run={"steps": steps, "prompts_per_step": 2, "output_dir": str(tmp_path), **FAST})
+    history = Trainer(rollout={"n": 2, "max_tokens": 2, "backend": "hf"}, **common).train()
+    measured = [i + 1 for i, m in enumerate(history) if "mismatch/logprob_max" in m]
+    assert measured == [1, MISMATCH_EVERY + 1]
+    assert all(history[i - 1]["mismatch/logprob_max"] < 1e-4 for i in measured)
+    common["run"] = {**common["run"], "steps": 2, "output_dir": str(tmp_path / "tis")}
+    corrected = Trainer(rollout={"n": 2, "max_tokens": 2, "backend": "hf"}, algorithm={"rollout_correction": "tis"},
+                        **common).train()
+    assert all("mismatch/logprob_max" in m and "rollout_correction/ratio_mean" in m for m in corrected)

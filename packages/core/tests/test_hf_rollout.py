@@ -49,3 +49,18 @@ def test_greedy_samples_of_one_prompt_agree(engine):
     assert out[0].token_ids == out[1].token_ids == out[2].token_ids
     alone = engine.generate([PROMPTS[0]], SamplingParams(n=1, max_tokens=4, temperature=0.0))
     assert out[0].token_ids == alone[0].token_ids
+
+
+def test_a_call_without_logprobs_keeps_no_logits_and_samples_the_same(engine):
+    sampling = SamplingParams(n=2, temperature=1.0, max_tokens=5, seed=7)
+    full = engine.generate(PROMPTS, sampling)
+    kept = []
+    generate = engine.model.generate
+    engine.model.generate = lambda **kw: kept.append(kw["output_logits"]) or generate(**kw)
+    try:
+        bare = engine.generate(PROMPTS, SamplingParams(n=2, temperature=1.0, max_tokens=5, seed=7, logprobs=False))
+    finally:
+        del engine.model.generate
+    assert kept == [False]
+    assert [r.token_ids for r in bare] == [r.token_ids for r in full]
+    assert all(r.logprobs == [] for r in bare) and all(len(r.logprobs) == len(r.token_ids) for r in full)

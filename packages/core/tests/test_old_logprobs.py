@@ -22,7 +22,7 @@ def _rollouts():
 
 
 def _learn(model, train=None, **algorithm):
-    cfg = build_config(None, {"algorithm": algorithm, "run": {"prompts_per_step": 2}, "rollout": {"n": 4},
+    cfg = build_config(None, {"algorithm": algorithm, "run": {"prompts_per_step": 2}, "rollout": {"n": 4, "logprobs": "always"},
                               "train": train or {}})
     engine = TorchTrainEngine.build(model, lr=1e-2)
     calls = []
@@ -60,7 +60,7 @@ def test_with_several_mini_batches_the_first_takes_its_old_logprobs_from_its_tra
     forward = engine.forward_logprobs
     engine.forward_logprobs = lambda batch, **k: rows.append(batch.size) or forward(batch, **k)
     cfg = build_config(None, {"algorithm": {"entropy_coef": 0.01}, "run": {"prompts_per_step": 2},
-                              "rollout": {"n": 4}, "train": {"mini_batch_size": 4}})
+                              "rollout": {"n": 4, "logprobs": "always"}, "train": {"mini_batch_size": 4}})
     kept, rewards = _rollouts()
     m_first = Learner(cfg, engine).learn(kept, rewards, 0, timed=lambda name: __import__("contextlib").nullcontext())
     full, m_full, passes, _ = _learn(gearshift_model, train={"mini_batch_size": 4}, entropy_coef=0.01,

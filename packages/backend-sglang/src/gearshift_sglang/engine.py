@@ -245,8 +245,9 @@ class SGLangRolloutEngine(RolloutEngine):
                 # SGLang's CPU sampler draws from its scheduler's global generator: seed it for this batch
                 seed = sampling.seed if sampling.seed is not None else self._rng.getrandbits(63)
                 self._engine.collective_rpc("gearshift_reseed", seed=int(seed))
-            outputs = self._engine.generate(input_ids=ids, sampling_params=params, return_logprob=True)
-        return [self._rollout(ids[j], out, j // sampling.n, j % sampling.n) for j, out in enumerate(outputs)]
+            outputs = self._engine.generate(input_ids=ids, sampling_params=params, return_logprob=sampling.logprobs)
+        return [self._rollout(ids[j], out, j // sampling.n, j % sampling.n, sampling.logprobs)
+                for j, out in enumerate(outputs)]
 
     def _sampling(self, s: SamplingParams, prompt_len: int) -> dict[str, Any]:
         return {
@@ -255,16 +256,16 @@ class SGLangRolloutEngine(RolloutEngine):
             "stop": list(s.stop) or None, "stop_token_ids": list(s.stop_token_ids) or None,
         }
 
-    def _rollout(self, prompt: list[int], out: dict, index: int, sample: int) -> Rollout:
+    def _rollout(self, prompt: list[int], out: dict, index: int, sample: int, logprobs: bool) -> Rollout:
         meta = out["meta_info"]
         reason = (meta.get("finish_reason") or {}).get("type")
         if reason not in ("stop", "length"):
             raise RolloutError(f"SGLang ended prompt {index} with finish reason {meta.get('finish_reason')!r}")
         tokens = [int(t) for t in out["output_ids"]]
-        logprobs = [float(lp) for lp, _, _ in meta["output_token_logprobs"]]
-        if len(logprobs) != len(tokens):
-            raise RolloutError(f"SGLang returned {len(logprobs)} logprobs for {len(tokens)} tokens of prompt {index}")
-        return Rollout(prompt, tokens, logprobs, reason, prompt_index=index, sample_index=sample, text=out["text"])
+        values = [float(lp) for lp, _, _ in meta["output_token_logprobs"]] if logprobs else []
+        if logprobs and len(values) != len(tokens):
+            raise RolloutError(f"SGLang returned {len(values)} logprobs for {len(tokens)} tokens of prompt {index}")
+        return Rollout(prompt, tokens, values, reason, prompt_index=index, sample_index=sample, text=out["text"])
 
     # --- weights ----------------------------------------------------------------------------
     def weight_spec(self) -> WeightSpec:

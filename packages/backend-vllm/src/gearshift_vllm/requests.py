@@ -17,7 +17,7 @@ def vllm_sampling(vllm, s: SamplingParams, index: int, room: int, request_seed: 
         stop=list(s.stop) or None, stop_token_ids=list(s.stop_token_ids) or None,
         # vLLM gives the k-th sample of a request seed + k: spacing by n keeps every sample's seed distinct
         seed=None if s.seed is None or not request_seed else s.seed + index * s.n,
-        logprobs=0,  # the sampled token's logprob only
+        logprobs=0 if s.logprobs else None,  # the sampled token's logprob only, or none
         # incremental detokenizing (of every logprob's token too) costs about a third of the time
         # on small models; only stop strings need it, and `text` is decoded once at the end
         detokenize=bool(s.stop),
@@ -35,6 +35,8 @@ def sampled_logprobs(sample, tokens: list[int]) -> list[float]:
     """The logprob of each sampled token of `sample` (vLLM's `CompletionOutput`), from flat or per-token
     logprobs."""
     lp = sample.logprobs
+    if lp is None:  # none asked for
+        return []
     flat = getattr(lp, "start_indices", None)
     if flat is None:
         return [float(step[token].logprob) for step, token in zip(lp, tokens)]

@@ -75,6 +75,9 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     seed: int | None = None
+    #: return each sampled token's logprob; False: nothing will read them, so an engine may skip them and
+    #: leave `Rollout.logprobs` empty (an engine spends time on each token's logprob)
+    logprobs: bool = True
 
     def __post_init__(self) -> None:
         problems = []
@@ -103,7 +106,8 @@ class Rollout:
     """One sampled completion of one prompt.
 
     `token_ids` and `logprobs` cover every generated token, the one that ended generation included
-    (EOS, a stop token id, or the token completing a stop string). `text`, when the engine sets it, is
+    (EOS, a stop token id, or the token completing a stop string); `logprobs` may be empty when the
+    call asked for none (`SamplingParams.logprobs` False). `text`, when the engine sets it, is
     the decoded completion with special tokens skipped, cut before a stop string; rewards read it when
     set (else the loop decodes `token_ids`).
     """
@@ -162,7 +166,8 @@ class RolloutEngine(Buildable, ABC):
 
     @abstractmethod
     def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams) -> list[Rollout]:
-        """`sampling.n` rollouts per prompt, grouped by prompt in order, with temperature-1 logprobs.
+        """`sampling.n` rollouts per prompt, grouped by prompt in order, with temperature-1 logprobs (which an
+        engine may leave out when `sampling.logprobs` is False).
 
         Raises `RolloutError` on input no engine can serve and while any tag sleeps (`check_prompts`
         checks both: call it first).

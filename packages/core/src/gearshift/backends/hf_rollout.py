@@ -137,7 +137,7 @@ class HFRolloutEngine(RolloutEngine):
             input_ids=ids, attention_mask=mask,
             max_new_tokens=min(sampling.max_tokens, self.max_model_len - width),
             num_return_sequences=sampling.n, eos_token_id=eos, pad_token_id=self._pad,
-            output_logits=True, return_dict_in_generate=True, use_cache=True,
+            output_logits=sampling.logprobs, return_dict_in_generate=True, use_cache=True,
         )
         if sampling.n > 1 and width > 1:
             kwargs.update(self._shared_prefill(ids, mask, sampling.n))
@@ -155,15 +155,17 @@ class HFRolloutEngine(RolloutEngine):
                 torch.manual_seed(sampling.seed)
             result = self.model.generate(**kwargs)
         new = result.sequences[:, width:].cpu()
-        logp = torch.log_softmax(torch.stack(result.logits, dim=1).float(), dim=-1).cpu()
-        picked = logp.gather(-1, new[:, :, None]).squeeze(-1)
+        picked = None
+        if sampling.logprobs:  # else every step's logits were not even kept
+            logp = torch.log_softmax(torch.stack(result.logits, dim=1).float(), dim=-1).cpu()
+            picked = logp.gather(-1, new[:, :, None]).squeeze(-1)
         rollouts = []
         for row in range(new.shape[0]):
             tokens = new[row].tolist()
             n, reason = self._finish(tokens, set(eos), sampling.stop)
             prompt_index = row // sampling.n
             rollouts.append(Rollout(
-                prompts[prompt_index], tokens[:n], picked[row, :n].tolist(), reason,
+                prompts[prompt_index], tokens[:n], picked[row, :n].tolist() if picked is not None else [], reason,
                 prompt_index=offset + prompt_index, sample_index=row % sampling.n,
                 text=text_before_stop(self.tokenizer.decode(tokens[:n], skip_special_tokens=True), sampling.stop),
             ))

@@ -11,6 +11,7 @@ marks the tests it is known to fail where it runs.
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 
 import pytest
 import torch
@@ -111,6 +112,15 @@ class RolloutEngineSuite:
         for i in range(len(PROMPTS)):
             samples = {tuple(r.token_ids) for r in first if r.prompt_index == i}
             assert len(samples) > 1, f"the 4 samples of prompt {i} are all the same: each needs its own draw"
+
+    def test_a_call_without_logprobs_samples_the_same_tokens(self, rollout_engine):
+        sampling = SamplingParams(n=2, temperature=1.0, max_tokens=6, seed=5)
+        full = rollout_engine.generate(PROMPTS, sampling)
+        bare = rollout_engine.generate(PROMPTS, replace(sampling, logprobs=False))
+        assert [r.token_ids for r in bare] == [r.token_ids for r in full], \
+            "asking for no logprobs changed the samples: it may only leave the logprobs out"
+        for r in bare:  # left out, or all of them: an engine may compute them anyway
+            assert len(r.logprobs) in (0, len(r.token_ids))
 
     def test_unseeded_sampling_draws_from_the_engines_own_generator(self, rollout_engine):
         sampling = SamplingParams(n=4, temperature=1.0, max_tokens=6)  # seed=None

@@ -143,7 +143,8 @@ class Controller:
         step_start = time.perf_counter()
         rows = self.shares.rollout_rows(self.data.next_batch(cfg.run.prompts_per_step))
         prompts = [row["prompt_ids"] for row in rows]
-        sampling = cfg.sampling(seed=cfg.run.seed * 1_000_003 + self.step * 1009 + self.shares.rollout_dp)
+        sampling = cfg.sampling(seed=cfg.run.seed * 1_000_003 + self.step * 1009 + self.shares.rollout_dp,
+                                step=self.step)
         switch_in = self.actor.to_rollout()
         with timed("rollout"):
             rollouts = self._generate(rows, prompts, sampling)
@@ -204,9 +205,11 @@ class Controller:
 
         cfg, start = self.config, time.perf_counter()
         rows = self.shares.rollout_rows(self.val_data.all_rows())  # each rollout replica its share
-        sampling = (SamplingParams(n=1, temperature=0.0, max_tokens=cfg.rollout.max_tokens, stop=tuple(cfg.rollout.stop))
-                    if cfg.run.eval_greedy else cfg.sampling(seed=cfg.run.seed * 7919 + self.step * 1009
-                                                             + self.shares.rollout_dp))
+        if cfg.run.eval_greedy:
+            sampling = SamplingParams(n=1, temperature=0.0, max_tokens=cfg.rollout.max_tokens,
+                                      stop=tuple(cfg.rollout.stop), logprobs=False)
+        else:
+            sampling = cfg.sampling(seed=cfg.run.seed * 7919 + self.step * 1009 + self.shares.rollout_dp)
         self.actor.to_rollout()
         try:  # a rank with no held-out rows still switches: the switch is collective
             rollouts = self._generate(rows, [r["prompt_ids"] for r in rows], sampling) if rows else []

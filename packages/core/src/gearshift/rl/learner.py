@@ -108,30 +108,32 @@ class Learner:
         mask = batch.loss_mask
         group_ids = torch.tensor([x.prompt_index for x in kept])
         reward_t = torch.tensor(rewards, dtype=torch.float32)
-        rollout_lp = response_logprobs(kept, [x.logprobs for x in kept], mask)
+        rollout_lp = self._rollout_logprobs(kept, mask)
         out: dict[str, float] = {}
         # as many optimizer steps on every rank (their gradients are averaged): the same count of mini-batches
         # of this rank's share, in order, so a prompt's samples stay together
         mini_size = -(-batch.size // max(1, min(cfg.mini_batches(), batch.size)))
         reused = mini_size if self._reusable() else 0  # leading rows whose training forward gives the old logprobs
-        extras: dict[str, torch.Tensor] = {"rollout_logprobs": rollout_lp} if reused else {}
+        extras: dict[str, torch.Tensor] = {"rollout_logprobs": rollout_lp} if reused and rollout_lp is not None else {}
         old = None
         if reused < batch.size:
             with timed("old_logprobs"):
                 lp = self.policy.forward_logprobs(batch.select(slice(reused, None))).logprobs.cpu()
             old = torch.zeros_like(mask)
             old[reused:, :lp.shape[1]] = lp
-            rest = mask.clone()
-            rest[:reused] = 0
-            gap = (old - rollout_lp).abs() * rest
-            out.update({"mismatch/logprob_max": float(gap.max()), "mismatch/logprob_sum": float(gap.sum()),
-                        "mismatch/tokens": float(rest.sum())})
             extras["old_logprobs"] = old
-            weights, corrected = rollout_correction(old, rollout_lp, rest, mode=a.rollout_correction,
-                                                    level=a.rollout_correction_level, cap=a.rollout_correction_cap)
-            out.update({f"rollout_correction/{k}": v for k, v in corrected.items()})
-            if weights is not None:
-                extras[ROLLOUT_WEIGHTS] = weights
+            if rollout_lp is not None:  # the step's rollout brought them (`rollout.logprobs`)
+                rest = mask.clone()
+                rest[:reused] = 0
+                gap = (old - rollout_lp).abs() * rest
+                out.update({"mismatch/logprob_max": float(gap.max()), "mismatch/logprob_sum": float(gap.sum()),
+                            "mismatch/tokens": float(rest.sum())})
+                weights, corrected = rollout_correction(old, rollout_lp, rest, mode=a.rollout_correction,
+                                                        level=a.rollout_correction_level,
+                                                        cap=a.rollout_correction_cap)
+                out.update({f"rollout_correction/{k}": v for k, v in corrected.items()})
+                if weights is not None:
+                    extras[ROLLOUT_WEIGHTS] = weights
         token_rewards = reward_t
         ref = None
         if ref_logprobs is not None:
@@ -186,8 +188,22 @@ class Learner:
                     train_metrics.append(metrics)
         keys = {k for m in train_metrics for k in m}
         out.update({f"train/{k}": _mean([m[k] for m in train_metrics if k in m]) for k in sorted(keys)})
-        self._mismatch_figures(out, mask, reused)
+        if rollout_lp is not None:
+            self._mismatch_figures(out, mask, reused)
+        if reused and "train/kl" in out:
+            out["kl/ref"] = out["train/kl"]
         return out
+
+    def _rollout_logprobs(self, kept: list[Rollout], mask: torch.Tensor) -> torch.Tensor | None:
+        """The rollout engine's logprobs of the sampled tokens placed like `mask`, or None where the rollout
+        asked for none (`SamplingParams.logprobs`); a rollout correction cannot do without them."""
+        if all(len(x.logprobs) == len(x.token_ids) for x in kept):
+            return response_logprobs(kept, [x.logprobs for x in kept], mask)
+        if self.config.algorithm.rollout_correction != "none":
+            raise ValueError(f"algorithm.rollout_correction={self.config.algorithm.rollout_correction} needs the "
+                             f"rollout engine's logprob of every sampled token, and this step's rollouts came "
+                             f"without them (rollout.logprobs)")
+        return None
 
     @staticmethod
     def _mismatch_figures(out: dict[str, float], mask: torch.Tensor, reused: int) -> None:
@@ -201,8 +217,6 @@ class Learner:
             top = max(top, out["mismatch/logprob_max"])
         out["mismatch/logprob_mean"] = total / max(tokens, 1.0)
         out["mismatch/logprob_max"] = top
-        if reused and "train/kl" in out:
-            out["kl/ref"] = out["train/kl"]
 
     def reuses_old_logprobs(self) -> bool:
         """Whether the step takes all its old logprobs from the training forward, with no pass of their own:

@@ -50,13 +50,20 @@ class _Episode:
     last_text: str = ""
     done: bool = False
     finish_reason: str = "stop"
+    no_logprobs: bool = False  # a model turn came without them: the episode has none
 
     def context(self) -> list[int]:
         return self.prompt_ids + self.token_ids
 
     def append(self, ids: Sequence[int], logprobs: Sequence[float] | None, model: bool) -> None:
+        """The model's tokens with their logprobs (`model`), or a tool's or an environment's (`logprobs` None:
+        0 each, masked out of the loss)."""
+        given = list(logprobs) if logprobs is not None else []
+        if len(given) != len(ids):
+            self.no_logprobs = self.no_logprobs or model  # the model's call asked for none
+            given = [0.0] * len(ids)
         self.token_ids += list(ids)
-        self.logprobs += list(logprobs) if logprobs is not None else [0.0] * len(ids)
+        self.logprobs += given
         self.mask += [int(model)] * len(ids)
 
 
@@ -228,8 +235,9 @@ class Agent:
                  "tool_errors": ep.tool_errors, "episode": self.tokenizer.decode(ep.token_ids)}
         if ep.reward is not None:
             extra["reward"] = ep.reward
-        return Rollout(ep.prompt_ids, ep.token_ids, ep.logprobs, ep.finish_reason, ep.prompt_index,
-                       ep.sample_index, text=ep.last_text, extra=extra)
+        logprobs = [] if ep.no_logprobs else ep.logprobs
+        return Rollout(ep.prompt_ids, ep.token_ids, logprobs, ep.finish_reason, ep.prompt_index, ep.sample_index,
+                       text=ep.last_text, extra=extra)
 
 
 def episode_metrics(rollouts: Sequence[Rollout]) -> dict[str, float]:

@@ -14,14 +14,14 @@ algorithm's own, the model's own, ...); older files' 0 or '' for it still read.
 from .algorithm import GAE_NORMS, AlgorithmConfig
 from .base import ConfigError, Section, field_help
 from .loading import build_config, load_config, normalise
-from .root import Config
+from .root import MISMATCH_EVERY, Config
 from .run import PoolsConfig, RunConfig
 from .sections import (
     SHARE, DataConfig, LoraConfig, ModelConfig, RewardConfig, RolloutConfig, SwitchConfig, TrainConfig, parse_offload,
 )
 
 __all__ = [
-    "GAE_NORMS", "SHARE", "AlgorithmConfig", "Config", "ConfigError", "DataConfig", "LoraConfig", "ModelConfig",
+    "GAE_NORMS", "MISMATCH_EVERY", "SHARE", "AlgorithmConfig", "Config", "ConfigError", "DataConfig", "LoraConfig", "ModelConfig",
     "PoolsConfig", "RewardConfig", "RolloutConfig", "RunConfig", "Section", "SwitchConfig", "TrainConfig",
     "build_config", "field_help", "load_config", "normalise", "parse_offload",
 ]

@@ -16,6 +16,9 @@ from .sections import DataConfig, ModelConfig, RewardConfig, RolloutConfig, Swit
 #: cannot write the task's format (calc's episodes call a tool)
 DEFAULT_MODEL = "small-add"
 TASK_DEFAULT_MODELS = {"calc": "small-calc"}
+#: with rollout.logprobs=auto and no rollout correction, the steps whose rollout brings logprobs (for the
+#: mismatch/* figures): the first, then every this many
+MISMATCH_EVERY = 10
 
 
 @dataclass
@@ -59,7 +62,7 @@ class Config(Section):
         across sections (`reward_given`: a reward function comes with the run, so `reward.fn` may stay unset;
         `eval_given`: so does a held-out set, so `data.val_path` may)."""
         problems = [*self.all_problems(), *self._context_problems(), *self._reward_problems(reward_given),
-                    *self._agent_problems(),
+                    *self._agent_problems(), *self._logprob_problems(),
                     *self._batch_problems(world_size), *self._mesh_problems(world_size),
                     *self._eval_problems(eval_given), *self._placement_problems(), *self._adapter_sync_problems(),
                     *self._options_problems()]
@@ -78,6 +81,13 @@ class Config(Section):
             return []
         return self.agent.limit_problems(max_prompt_len=self.data.max_prompt_len,
                                          max_model_len=self.rollout.max_model_len, turn_tokens=self.rollout.max_tokens)
+
+    def _logprob_problems(self) -> list[str]:
+        a = self.algorithm
+        if self.rollout.logprobs == "never" and a.rollout_correction != "none":
+            return [f"algorithm.rollout_correction={a.rollout_correction} weighs each token by the rollout engine's "
+                    f"logprobs, which rollout.logprobs=never leaves out: set rollout.logprobs=auto"]
+        return []
 
     def _reward_problems(self, reward_given: bool) -> list[str]:
         problems = []
@@ -228,13 +238,24 @@ class Config(Section):
         """The ranks `role` ('train' or 'rollout') runs on: its pool's size when split, else the world."""
         return getattr(self.run.pools, role) if self.run.placement == "split" else world_size
 
-    def sampling(self, seed: int | None = None):
-        """The rollout section as `SamplingParams` (raises `RolloutError` on bad values)."""
+    def sampling(self, seed: int | None = None, step: int | None = None):
+        """The rollout section as `SamplingParams` for the rollout of step `step` (counted from 0; None: any step
+        but one of `rollout_logprobs`'s measured ones). Raises `RolloutError` on bad values."""
         from ...rollout import SamplingParams
 
         r = self.rollout
         return SamplingParams(n=r.n, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
-                              max_tokens=r.max_tokens, stop=tuple(r.stop), seed=seed)
+                              max_tokens=r.max_tokens, stop=tuple(r.stop), seed=seed,
+                              logprobs=self.rollout_logprobs(step))
+
+    def rollout_logprobs(self, step: int | None) -> bool:
+        """Whether step `step`'s rollout asks the engine for each sampled token's logprob (`rollout.logprobs`)."""
+        setting = self.rollout.logprobs
+        if setting != "auto":
+            return setting == "always"
+        if self.algorithm.rollout_correction != "none":
+            return True
+        return step is not None and step % MISMATCH_EVERY == 0
 
     def context_problem(self, context: int) -> str:
         return (f"data.max_prompt_len={self.data.max_prompt_len} + rollout.max_tokens={self.rollout.max_tokens} "

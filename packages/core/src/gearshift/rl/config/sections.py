@@ -136,6 +136,10 @@ class RolloutConfig(Section):
     """Dtype of the rollout engine's weights; null: model.dtype, like training."""
     mesh: str | None = None
     """How the engine lies over the ranks, e.g. 'dp=2' or 'tp=2'; null: data parallel over every rank."""
+    logprobs: Literal["auto", "always", "never"] = "auto"
+    """The engine's logprob of each sampled token: 'auto' asks for them where something reads them (every step
+    under a rollout correction, else the first step and every tenth, for the mismatch/* figures); 'always';
+    'never'."""
     options: dict[str, Any] = field(default_factory=dict)
     """The engine's own options ('gearshift backends NAME')."""
 

@@ -193,7 +193,7 @@ class SplitController:
         per_rank = []
         for j in range(pool.size):
             mine = rows[j::pool.size]
-            sampling = cfg.sampling(seed=cfg.run.seed * 1_000_003 + (step - 1) * 1009 + j)
+            sampling = cfg.sampling(seed=cfg.run.seed * 1_000_003 + (step - 1) * 1009 + j, step=step - 1)
             plain = [{k: v for k, v in row.items() if k != "prompt_ids"} for row in mine] if scored_there else None
             per_rank.append(([row["prompt_ids"] for row in mine], sampling, plain))
         refs = self.calls.add(pool.call("generate", per_rank=per_rank))
