@@ -6,8 +6,9 @@
 After warm-up switches, each switch to rollout is timed by its `SwitchReport` (export, load) and the scheduler
 reports the parts of the load it ran itself (`SGLangRolloutEngine.load_times`: receive, check, loader, copy,
 wait); the load's rest is the host's side of the calls (serializing, ZeroMQ, waiting for the scheduler's loop).
-Prints each part's median, and the same bytes copied once by `_foreach_copy_` in this process for scale. Runs
-on a CPU too (a tiny model, through the flat buffer). A tool, not a test.
+Prints each part's median with the update's prefix-cache flush in the scheduler (the default) and by the host,
+the same bytes copied once by `_foreach_copy_` in this process for scale, and the round trips alone (a call that
+does nothing much, the flush each way). Runs on a CPU too (a tiny model). A tool, not a test.
 """
 
 from __future__ import annotations
@@ -39,6 +40,28 @@ def foreach_copy_s(tensors: list[torch.Tensor], repeats: int) -> float:
     return statistics.median(times)
 
 
+def switch_parts(actor, rollout, switches: int) -> dict[str, float]:
+    """Medians over `switches` switches to rollout (and back) of the sync's export and load and of the parts of
+    the load the scheduler timed (seconds; "calls": how many calls into it)."""
+    rows = []
+    for _ in range(switches):
+        report = actor.to_rollout()
+        phases = {ph.name: ph.seconds for ph in report.phases}
+        rows.append({"export": phases.get("export", 0.0), "load": phases.get("load", 0.0), **rollout.load_times()})
+        actor.to_train()
+    return {k: statistics.median(r.get(k, 0.0) for r in rows) for k in ("export", "load", "calls", *PARTS)}
+
+
+def timed_calls(call, repeats: int) -> float:
+    """Median seconds of `call()` over `repeats` calls."""
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        call()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="qwen2-0.5b")
@@ -55,25 +78,32 @@ def main() -> int:
     for _ in range(2):
         actor.to_rollout()
         actor.to_train()
-    rows = []
-    for _ in range(args.switches):
-        report = actor.to_rollout()
-        phases = {ph.name: ph.seconds for ph in report.phases}
-        rows.append({"export": phases.get("export", 0.0), "load": phases.get("load", 0.0),
-                     **rollout.load_times()})
-        actor.to_train()
-    med = {k: statistics.median(r.get(k, 0.0) for r in rows) for k in ("export", "load", "calls", *PARTS)}
-    inside = sum(med[k] for k in PARTS)
+    lines = [f"{args.model}: {args.train} -> sglang, medians of {args.switches} switches (ms)"]
+    # the update's prefix-cache flush in the scheduler after its last call (the default), then by the host
+    for fused in (True, False):
+        rollout.flush_in_scheduler = fused
+        med = switch_parts(actor, rollout, args.switches)
+        inside = sum(med[k] for k in PARTS)
+        lines += [f"  the flush {'in the scheduler, after the last call' if fused else 'by the host, a call of its own'}",
+                  f"  export (host)                     {med['export'] * 1e3:8.2f}",
+                  f"  load (host, whole)                {med['load'] * 1e3:8.2f}   {med['calls']:.0f} call(s)"]
+        lines += [f"    {k:30s}  {med[k] * 1e3:8.2f}   (in the scheduler)" for k in PARTS]
+        lines.append(f"    {'round trips and the host side':30s}  {(med['load'] - inside) * 1e3:8.2f}")
+    rollout.flush_in_scheduler = True
     tensors = [t for t in train.model.parameters()] if hasattr(train, "model") else []
-    lines = [f"{args.model}: {args.train} -> sglang, medians of {args.switches} switches (ms)",
-             f"  export (host)                     {med['export'] * 1e3:8.2f}",
-             f"  load (host, whole)                {med['load'] * 1e3:8.2f}   {med['calls']:.0f} call(s)"]
-    lines += [f"    {k:30s}  {med[k] * 1e3:8.2f}   (in the scheduler)" for k in PARTS]
-    lines.append(f"    {'round trips and the host side':30s}  {(med['load'] - inside) * 1e3:8.2f}")
     if tensors:
         local = [t.to_local() if hasattr(t, "to_local") else t for t in (x.data for x in tensors)]
         lines.append(f"  one _foreach_copy_ of the trainer's {len(local)} tensors here: "
                      f"{foreach_copy_s(local, 5) * 1e3:.2f}")
+    # the round trips of an update beside the copy, each alone on an idle engine: a call into the scheduler that
+    # does nothing much (a reseed), and the prefix-cache flush, as the host asks for it and as a call of the
+    # scheduler's with and without emptying torch's cache there
+    rpc = rollout._engine.collective_rpc
+    calls = {"a call into the scheduler (a reseed)": lambda: rpc("gearshift_reseed", seed=0),
+             "SGLang's cache flush, as the host asks": rollout._flush,
+             "flush_cache() called in the scheduler": lambda: rpc("flush_cache"),
+             "flush_cache(empty_cache=False) there": lambda: rpc("flush_cache", empty_cache=False)}
+    lines += [f"  {name:42s} {timed_calls(call, args.switches) * 1e3:8.2f}" for name, call in calls.items()]
     if gdist.rank() == 0:
         print("\n".join(lines), flush=True)
     rollout.close()

@@ -95,30 +95,69 @@ def test_a_bucket_layout_the_scheduler_never_received_is_refused_and_the_engine_
     assert tokens(engine.generate(PROMPTS, GREEDY)) == tokens(baseline)
 
 
-@pytest.mark.parametrize("direct", [True, False])
-def test_one_flush_per_update_after_the_last_bucket(serving_model_weights, gearshift_model, monkeypatch, direct):
-    engine = serving_model_weights
-    if not direct:
-        monkeypatch.setattr(engine, "_landed", None)  # direct_load=False
+def _record_calls(engine, monkeypatch) -> list:
+    """(name, what was loaded, the flush asked) of every call the engine makes into SGLang from now on."""
     calls = []
     for name in ("begin_weight_update", "update_weights_from_tensor", "collective_rpc", "end_weight_update",
                  "flush_cache"):
         real = getattr(engine._engine, name)
         monkeypatch.setattr(engine._engine, name, lambda *a, _real=real, _name=name, **k: (calls.append(
-            (_name, a[:1] if _name == "collective_rpc" else k.get("load_format"), k.get("flush_cache"))),
-            _real(*a, **k))[1])
+            (_name, a[:1] if _name == "collective_rpc" else k.get("load_format"),
+             k.get("flush" if _name == "collective_rpc" else "flush_cache"))), _real(*a, **k))[1])
+    return calls
+
+
+@pytest.mark.parametrize("direct", [True, False])
+def test_one_flush_per_update_after_the_last_bucket(serving_model_weights, gearshift_model, monkeypatch, direct):
+    engine = serving_model_weights
+    if not direct:
+        monkeypatch.setattr(engine, "_landed", None)  # direct_load=False
+    calls = _record_calls(engine, monkeypatch)
     buckets = as_buckets(reference_weights(gearshift_model, engine.weight_spec()), engine.device, per_bucket=3)
     assert len(buckets) > 2
     engine.update_weights(iter(buckets))
     names = [c[0] for c in calls]
-    load = "collective_rpc" if direct else "update_weights_from_tensor"
-    # every weight of the tiny model lands: the direct load needs no session of SGLang's
-    sessions = ["begin_weight_update"] if engine._sessions and not direct else []
-    # the direct load sends the tiny model's buckets as one group: one call
-    calls_per_update = 1 if direct else len(buckets)
-    assert names == sessions + [load] * calls_per_update + ["end_weight_update"] * len(sessions) + ["flush_cache"]
-    expected = (("gearshift_load",), None) if direct else ("flattened_bucket", False)
-    assert all(c[1:] == expected for c in calls if c[0] == load)
+    if direct:  # the tiny model's buckets go as one group, and that call flushes the cache in the scheduler after
+        assert calls == [("collective_rpc", ("gearshift_load",), True)]
+        return
+    sessions = ["begin_weight_update"] if engine._sessions else []
+    load = "update_weights_from_tensor"
+    assert names == sessions + [load] * len(buckets) + ["end_weight_update"] * len(sessions) + ["flush_cache"]
+    assert all(c[1:] == ("flattened_bucket", False) for c in calls if c[0] == load)
+
+
+def test_a_scheduler_that_cannot_flush_after_the_load_leaves_the_flush_to_the_host(serving_model_weights,
+                                                                                  gearshift_model, monkeypatch):
+    from gearshift_sglang.direct import NOT_FLUSHED
+
+    engine = serving_model_weights
+    original = reference_weights(gearshift_model, engine.weight_spec())
+    real = engine._engine.collective_rpc
+
+    def busy(method, flush=False, **kwargs):  # loads, then answers as a scheduler still winding a batch down
+        real(method, flush=False, **kwargs)
+        if flush:
+            raise AssertionError(NOT_FLUSHED)
+
+    monkeypatch.setattr(engine._engine, "collective_rpc", busy)
+    calls = _record_calls(engine, monkeypatch)
+    engine.update_weights(iter(as_buckets(perturbed(original), engine.device)))
+    assert [c[0] for c in calls] == ["collective_rpc", "flush_cache"]
+    monkeypatch.undo()
+    engine.update_weights(iter(as_buckets(original, engine.device)))
+
+
+def test_an_update_while_the_kv_cache_sleeps_flushes_nothing(serving_model_weights, gearshift_model, monkeypatch):
+    engine = serving_model_weights
+    engine.sleep(["kv_cache"])  # flushes the prefix cache; nothing can fill it until it wakes
+    try:
+        calls = _record_calls(engine, monkeypatch)
+        engine.update_weights(iter(as_buckets(reference_weights(gearshift_model, engine.weight_spec()),
+                                              engine.device)))
+        assert calls == [("collective_rpc", ("gearshift_load",), False)]
+    finally:
+        monkeypatch.undo()
+        engine.wake(["kv_cache"])
 
 
 def test_own_load_is_sglangs_per_tensor_update_and_restores_the_outputs(serving_model_weights, gearshift_model,

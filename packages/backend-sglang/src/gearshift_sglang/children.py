@@ -26,13 +26,17 @@ The scheduler gets two methods that the engine calls through SGLang's
   where each weight of the pickled spec at `spec_path` lands in the model's
   parameters, verified against the checkpoint in folder `checkpoint`, and writes
   the landed names to `path` as JSON (`direct.DirectLoad.map`).
-- `gearshift_load(payload, buffer, layout, update)`: one group of buckets, copied
-  from the flat buffer into those views, the rest through SGLang's loader
+- `gearshift_load(payload, buffer, layout, update, flush)`: one group of buckets,
+  copied from the flat buffer into those views, the rest through SGLang's loader
   (`direct.DirectLoad.load`).
-- `gearshift_sources(payload, update)`: the trainer's own tensors (handed over
-  in `payload` when new, else those kept from the last time) copied into those
-  views in one batched copy (`direct.DirectLoad.copy_sources`);
+- `gearshift_sources(payload, update, flush)`: the trainer's own tensors (handed
+  over in `payload` when new, else those kept from the last time) copied into
+  those views in one batched copy (`direct.DirectLoad.copy_sources`);
   `gearshift_release_sources()` lets go of them.
+- With `flush`, the last call of an update also flushes the prefix cache, which
+  the host would otherwise ask for in a call of its own; a scheduler not yet
+  idle enough to flush raises `NOT_FLUSHED` once the weights are in, and the
+  host flushes as before.
 """
 
 from __future__ import annotations
@@ -112,12 +116,23 @@ def _in_session(self) -> bool:
     return getattr(getattr(self, "weight_updater", None), "_session", True) is not None
 
 
-def _load(self, payload: str, buffer: int, layout: int, update: int) -> None:
+def _load(self, payload: str, buffer: int, layout: int, update: int, flush: bool = False) -> None:
     self.gearshift_direct.load(payload, buffer, layout, update, loader_allowed=_in_session(self))
+    _flush_after(self, flush)
 
 
-def _sources(self, payload: str, update: int) -> None:
+def _sources(self, payload: str, update: int, flush: bool = False) -> None:
     self.gearshift_direct.copy_sources(payload, update, loader_allowed=_in_session(self))
+    _flush_after(self, flush)
+
+
+def _flush_after(self, flush: bool) -> None:
+    """The update's prefix-cache flush, here where its last call ran, saving the host a round trip; torch's cached
+    blocks stay (the update allocated nothing that the next batch would not take again)."""
+    from .direct import NOT_FLUSHED
+
+    if flush and not self.flush_cache(empty_cache=False):
+        raise RuntimeError(NOT_FLUSHED)
 
 
 def _release_sources(self) -> None:

@@ -43,6 +43,11 @@ from gearshift.landing import checkpoint_tensors, fused_modules, landing_views, 
 from gearshift.weights import WeightSpec, copy_weights_
 
 
+#: what a loading call whose weights landed raises when the scheduler was not idle enough to flush the prefix
+#: cache after them (children.py `flush`): the host flushes it then
+NOT_FLUSHED = "gearshift: the weights were loaded, the cache not flushed"
+
+
 @dataclass
 class Layout:
     """One bucket layout in the received buffer: what is copied where, and what SGLang's loader takes."""

@@ -49,6 +49,7 @@ from gearshift.rollout import ROLLOUT_TAGS, Rollout, RolloutArgs, RolloutEngine,
 from gearshift.weights import WeightBucket, WeightError, WeightSpec
 
 from .arguments import SGLangOptions, engine_arguments
+from .direct import NOT_FLUSHED
 from .host import (FAILED_RUNNING, SchedulerFailed, StartFailed, cache_environment, close_zmq_contexts, contained,
                    default_cache_dir, drop_channels, end_processes, ending_only, failed_before_first_call,
                    failed_while_starting, guard_sigquit, in_call, quiet_custom_handler_line, started_processes,
@@ -183,6 +184,10 @@ class SGLangRolloutEngine(RolloutEngine):
         #: the trainer's own tensors the scheduler holds and copies from at each sync (lent buckets, direct_load)
         self._sources = Sources()
         self._updates = 0  # numbers each update for the scheduler (it checks its views once per update)
+        self._flushed = 0  # the last update whose prefix-cache flush the scheduler did after its last call
+        self._in_session = False  # the update under way runs in SGLang's begin/end session
+        #: the last call of an update flushes the prefix cache in the scheduler (one round trip less)
+        self.flush_in_scheduler = True
         self.direct_refusal: str | None = None
         #: the weights written straight into SGLang's parameters (None: direct_load is off)
         self._landed: frozenset[str] | None = self._map_weights(self.model_path) if opts.direct_load else None
@@ -293,7 +298,9 @@ class SGLangRolloutEngine(RolloutEngine):
         """Load the buckets, one flat buffer per bucket, into SGLang's parameters.
 
         Each bucket is checked before any of it is sent; the buckets before a bad one stay applied.
-        The prefix cache is flushed once, after the last bucket, however the update ends. With
+        The prefix cache is flushed once, after the last bucket, however the update ends: by the update's
+        last call into the scheduler where it can (one round trip less), else by a call of its own; not at
+        all while the KV cache sleeps (`sleep` flushed it). With
         `direct_load`, the buckets are gathered in the flat buffer up to `load_group_bytes` and one call
         into the scheduler per group copies the weights that landed straight into SGLang's parameters and
         hands the rest to its loader (direct.py). Landed weights of lent buckets (the trainer's own
@@ -328,8 +335,11 @@ class SGLangRolloutEngine(RolloutEngine):
                             applied += self._send_group(applied)
                     loaded += bucket.nbytes
                     del tensors, bucket
-                applied += self._send_group(applied)
-                applied += self._send_sources(sources, applied)
+                # the last call into the scheduler flushes the prefix cache there too (outside a session, whose
+                # end comes before the flush)
+                fuse = self.flush_in_scheduler and not self._in_session and "kv_cache" not in self.asleep
+                applied += self._send_group(applied, flush=fuse and not sources)
+                applied += self._send_sources(sources, applied, flush=fuse)
             finally:
                 self._flat.drop_open()
         return loaded
@@ -338,22 +348,35 @@ class SGLangRolloutEngine(RolloutEngine):
         """Whether the scheduler can read these tensors where they are (on the engine's device)."""
         return all(t.device == self.device and t.is_floating_point() for t in tensors.values())
 
-    def _send_sources(self, sources: dict[str, torch.Tensor], applied: int) -> int:
+    def _send_sources(self, sources: dict[str, torch.Tensor], applied: int, flush: bool = False) -> int:
         """Have the scheduler copy `sources` (trainer tensors) into its parameters, handing them over only when
-        they are not those it holds; the number of weights (0: none)."""
+        they are not those it holds, and with `flush` flush the prefix cache after; the number of weights (0:
+        none)."""
         if not sources:
             return 0
         payload = "" if self._sources.known(sources) else self._sources.payload(sources)
         if self.on_gpu:  # the trainer's last writes into them (its optimizer step) finish before the scheduler reads
             torch.cuda.current_stream(self.device).synchronize()
-        try:
-            self._engine.collective_rpc("gearshift_sources", payload=payload, update=self._updates)
-        except AssertionError as e:  # SGLang's collective_rpc asserts its scheduler's answer
+        ok, message = self._call_loading("gearshift_sources", flush, payload=payload, update=self._updates)
+        if not ok:
             self._sources.release()  # not known there: handed over again next time
-            self._refused(False, str(e), applied)
+            self._refused(False, message, applied)
         if payload:
             self._sources.handed_over()
         return len(sources)
+
+    def _call_loading(self, method: str, flush: bool, **kwargs) -> tuple[bool, str]:
+        """Call one of the scheduler's loading methods (children.py); with `flush`, it flushes the prefix cache
+        after the weights, and the update's own flush is left out where it did. (ok, SGLang's message)."""
+        try:
+            self._engine.collective_rpc(method, flush=flush, **kwargs)
+        except AssertionError as e:  # SGLang's collective_rpc asserts its scheduler's answer
+            if NOT_FLUSHED not in str(e):
+                return False, str(e)
+        else:
+            if flush:
+                self._flushed = self._updates
+        return True, ""
 
     def release_sources(self) -> None:
         """Drop the trainer's tensors the scheduler holds (before the trainer offloads its parameters)."""
@@ -365,12 +388,13 @@ class SGLangRolloutEngine(RolloutEngine):
         if self.on_gpu:
             torch.cuda.ipc_collect()  # blocks the scheduler mapped are freed now, not when the allocator next looks
 
-    def _send_group(self, applied: int) -> int:
-        """Send the open group of buckets to the scheduler; the number of weights in it (0: none was open)."""
+    def _send_group(self, applied: int, flush: bool = False) -> int:
+        """Send the open group of buckets to the scheduler (with `flush`, the prefix cache flushed after it); the
+        number of weights in it (0: none was open)."""
         layout = self._flat.close()
         if layout is None:
             return 0
-        self._refused(*self._load_direct(layout), applied)
+        self._refused(*self._load_direct(layout, flush), applied)
         return len(layout.metadata)
 
     @property
@@ -395,6 +419,7 @@ class SGLangRolloutEngine(RolloutEngine):
         if "weights" in self.asleep or "weights" in self._released:
             raise RolloutError("the engine's weights are asleep: call wake(['weights']) before updating them")
         self._updates += 1
+        self._in_session = session
         with self._calling_sglang():
             if session:
                 self._answer("begin_weight_update", self._engine.begin_weight_update())
@@ -403,7 +428,10 @@ class SGLangRolloutEngine(RolloutEngine):
             finally:
                 if session:
                     self._answer("end_weight_update", self._engine.end_weight_update())
-                self._flush()
+                # nothing to flush when the scheduler did after the update's last call, or while the KV cache
+                # sleeps: `sleep` flushed it, and nothing has run since
+                if self._flushed != self._updates and "kv_cache" not in self.asleep:
+                    self._flush()
 
     def _load(self, tensors: dict[str, torch.Tensor], applied: int) -> None:
         self._refused(*self._load_flattened(self._flat.pack(tensors)), applied)
@@ -419,16 +447,14 @@ class SGLangRolloutEngine(RolloutEngine):
         return self._engine.update_weights_from_tensor([self._flat.payload(layout)], load_format="flattened_bucket",
                                                        flush_cache=False)
 
-    def _load_direct(self, layout) -> tuple[bool, str]:
+    def _load_direct(self, layout, flush: bool = False) -> tuple[bool, str]:
         # the payload once per buffer and layout: after that the scheduler holds both, and two numbers do
         payload = "" if self._flat.delivered(layout) else self._flat.payload(layout)
-        try:
-            self._engine.collective_rpc("gearshift_load", payload=payload, buffer=self._flat.buffer_id,
-                                        layout=layout.id, update=self._updates)
-        except AssertionError as e:  # SGLang's collective_rpc asserts its scheduler's answer
-            return False, str(e)
-        self._flat.mark_delivered(layout)
-        return True, ""
+        ok, message = self._call_loading("gearshift_load", flush, payload=payload, buffer=self._flat.buffer_id,
+                                         layout=layout.id, update=self._updates)
+        if ok:
+            self._flat.mark_delivered(layout)
+        return ok, message
 
     def own_load(self, buckets: Iterable[WeightBucket]) -> int:
         """The switch bench's `OwnLoad`: SGLang's `update_weights_from_tensor` as its users call it, one call per
