@@ -55,7 +55,8 @@ def main() -> int:
             rows.append(
                 f"| {train} | {rollout} | {mode} | {r['bytes'] / 1e6:.0f} | {r['sync_s']:.3f} | {r['copy_s']:.3f} | "
                 f"{r['engine_load_s']:.3f} | {r['naive_s']:.3f} | {r['sync_over_copy']:.2f}x | "
-                f"{r['sync_over_engine_load']:.2f}x | {r['naive_over_sync']:.1f}x |")
+                f"{r['sync_over_engine_load']:.2f}x | "
+                + (f"{r['naive_over_sync']:.1f}x |" if r["naive_over_sync"] is not None else "not run |"))
             if label == "default":
                 if r["shared"]:
                     variants.append(("copy", ["--share", "off"]))

@@ -59,3 +59,16 @@ def test_bench_switch_takes_share_and_offload_as_the_run_config_does(gearshift_m
     phases = {p["name"] for p in written["to_rollout"]["phases"]}
     assert "offload" in phases, phases  # tags given: moved every switch (auto moves nothing on a CPU)
     assert "naive resharder" in capsys.readouterr().out
+
+
+def test_a_switch_bench_without_the_naive_round_trip_says_so(gearshift_model, tmp_path, capsys):
+    import json
+
+    from gearshift.cli import main
+
+    assert main(["bench", "switch", "--train", "torch", "--rollout", "hf", "--model", gearshift_model,
+                 "--switches", "1", "--naive-switches", "0", "--share", "off", "--out", str(tmp_path)]) == 0
+    written = json.loads((tmp_path / "switch-torch-hf-copy.json").read_text())
+    assert written["naive_over_sync"] is None and written["naive_s"] == 0
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("naive resharder"))
+    assert "not run (--naive-switches 0)" in line

@@ -72,8 +72,14 @@ class SwitchBench:
         return {
             "sync_over_copy": self.sync_s / self.copy_s if self.copy_s else float("inf"),
             "sync_over_engine_load": self.sync_s / self.engine_load_s if self.engine_load_s else float("inf"),
-            "naive_over_sync": self.naive_s / self.sync_s if self.sync_s else float("inf"),
+            # None where the naive round trip was not run (`--naive-switches 0`)
+            "naive_over_sync": (self.naive_s / self.sync_s if self.sync_s else float("inf")) if self.naive_ran
+            else None,
         }
+
+    @property
+    def naive_ran(self) -> bool:
+        return any(p.name in ("save", "load") for p in self.naive.phases)
 
     def to_dict(self) -> dict:
         return {
@@ -95,7 +101,8 @@ class SwitchBench:
             "",
             f"{'sync (export + share), median':<38}{self.sync_s:10.4f} s  shared, no bytes copied" if self.shared else
             f"{'sync (export + load), median':<38}{self.sync_s:10.4f} s  {self.bytes / self.sync_s / 1e9:6.2f} GB/s",
-            f"{'naive resharder (file round trip)':<38}{self.naive_s:10.4f} s  {r['naive_over_sync']:6.1f}x the sync",
+            f"{'naive resharder (file round trip)':<38}{self.naive_s:10.4f} s  {r['naive_over_sync']:6.1f}x the sync"
+            if self.naive_ran else f"{'naive resharder (file round trip)':<38}   not run (--naive-switches 0)",
             f"{'copy limit (plain copy, same bytes)':<38}{self.copy_s:10.4f} s  sync is {r['sync_over_copy']:.2f}x"
             + (" (with the exchange between ranks)" if gdist.world_size() > 1 else ""),
             f"{'own load (the engine alone)':<38}{self.engine_load_s:10.4f} s  "
