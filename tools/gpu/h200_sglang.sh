@@ -19,6 +19,7 @@
 #                                              32 prompts x 8 x 256 tokens, 20 steps (0.5B by default)
 #   bash tools/gpu/h200_sglang.sh load-profile tools/gpu/profile_sglang_load.py at 7B from bf16 masters (MODELS,
 #                                              TRAIN_DTYPE): the load's parts in the scheduler and the host's side
+#                                              (CPROFILE=N: the host's N costliest functions under cProfile too)
 #   bash tools/gpu/h200_sglang.sh build        the random 0.5B and 7B presets, drawn on the GPU (a fresh machine
 #                                              builds what the others need on first use: 7B takes minutes)
 # Several at once: `bash tools/gpu/h200_sglang.sh conformance bench`. Output under $OUT (the device tool brings
@@ -76,8 +77,9 @@ for what in "$@"; do
     load-profile)  # the sync's load split into the scheduler's parts and the host's side (profile_sglang_load.py)
       for m in ${MODELS:-qwen2-7b}; do
         timeout "${LIMIT:-300}" python3 tools/gpu/profile_sglang_load.py --model "$m" \
-          --train-options "{\"param_dtype\": \"bfloat16\", \"dtype\": \"${TRAIN_DTYPE:-bfloat16}\"}" 2>&1 | quiet \
-          | tee "$out/load-profile-$m.log" | tail -14
+          --train-options "{\"param_dtype\": \"bfloat16\", \"dtype\": \"${TRAIN_DTYPE:-bfloat16}\"}" \
+          --cprofile "${CPROFILE:-0}" 2>&1 | quiet \
+          | tee "$out/load-profile-$m.log" | tail -$((24 + ${CPROFILE:-0}))
         stopped "${PIPESTATUS[0]}" "load-profile $m"
       done ;;
     *) echo "unknown: $what (conformance, bench, rollout, scenario, build, load-profile)"; exit 2 ;;

@@ -69,6 +69,9 @@ def main() -> int:
     p.add_argument("--train-options", default="{}", help="JSON: train engine options")
     p.add_argument("--rollout-options", default='{"dtype": "bfloat16"}', help="JSON: sglang engine options")
     p.add_argument("--switches", type=int, default=5)
+    p.add_argument("--cprofile", type=int, default=0, metavar="N",
+                   help="also print the N functions of the host's side with the most own time over the switches "
+                        "(cProfile, which slows Python down)")
     args = p.parse_args()
     gdist.init()
     path = resolve_model(args.model)
@@ -104,6 +107,18 @@ def main() -> int:
              "flush_cache() called in the scheduler": lambda: rpc("flush_cache"),
              "flush_cache(empty_cache=False) there": lambda: rpc("flush_cache", empty_cache=False)}
     lines += [f"  {name:42s} {timed_calls(call, args.switches) * 1e3:8.2f}" for name, call in calls.items()]
+    if args.cprofile:
+        import cProfile
+        import io
+        import pstats
+
+        profile = cProfile.Profile()
+        profile.enable()
+        switch_parts(actor, rollout, args.switches)
+        profile.disable()
+        text = io.StringIO()
+        pstats.Stats(profile, stream=text).sort_stats("tottime").print_stats(args.cprofile)
+        lines.append(f"  the host's side of {args.switches} switches under cProfile:\n{text.getvalue()}")
     if gdist.rank() == 0:
         print("\n".join(lines), flush=True)
     rollout.close()
