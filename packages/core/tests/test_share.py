@@ -176,6 +176,26 @@ def test_a_copying_sync_marks_the_trainers_own_tensors_lent_and_nothing_else(pai
     assert not any(b.lent for b in stream_plan(plan, train.local_weights, cast=False))  # a ZeRO-3 gather
 
 
+def test_lent_buckets_reach_the_rollout_engine_as_one(pair):
+    """Lent buckets hold no memory of their own: the receiver gets them as one bucket, its work per bucket paid
+    once a sync, every weight in it; buckets that are copies (cast here) come one by one as planned."""
+    from gearshift.reshard import stream_plan
+
+    train, _ = pair
+    src = train.weight_spec()
+    plan = plan_reshard(src, src, bucket_bytes=max(p.nbytes for p in src))
+    assert len(plan.buckets) > 2
+    lent = list(stream_plan(plan, train.local_weights, cast=False, lent=True))
+    assert len(lent) == 1 and lent[0].lent and set(lent[0].tensors) == set(src.names())
+    own = train.local_weights(src.names())
+    assert all(t is own[n] for n, t in lent[0].items())
+    narrower = WeightSpec(src.mesh, tuple(ParamSpec(p.name, p.shape, torch.bfloat16, p.placement) for p in src),
+                          aliases=src.aliases)
+    cast_plan = plan_reshard(src, narrower, bucket_bytes=max(p.nbytes for p in narrower))
+    cast = list(stream_plan(cast_plan, train.local_weights, lent=True))
+    assert len(cast) == len(cast_plan.buckets) > 2 and not any(b.lent for b in cast)
+
+
 def test_a_lora_trainer_lends_nothing(gearshift_model):
     from gearshift.reshard.resharders import lends
 
