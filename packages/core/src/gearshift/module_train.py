@@ -389,7 +389,7 @@ class ModuleTrainEngine(TrainEngine):
 
     def need_onloaded(self, tags: Sequence[str], action: str) -> None:
         """Raise a clear error, naming `action`, if any of `tags` is offloaded."""
-        away = [t for t in tags if len(self._stashes[t])]  # per bucket of every sync: no list of all tags
+        away = [t for t in tags if t in self.offloaded()]
         if away:
             raise RuntimeError(f"cannot {action}: {away} are offloaded to host memory; call onload({away}) first")
 
