@@ -16,11 +16,11 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import time
 
 import torch
 
 from gearshift import dist as gdist, registry
+from gearshift.bench.timing import median_seconds
 from gearshift.hybrid import HybridActor
 from gearshift.models import resolve_model
 
@@ -30,14 +30,7 @@ PARTS = ("receive", "check", "loader", "copy", "wait")
 def foreach_copy_s(tensors: list[torch.Tensor], repeats: int) -> float:
     """Median seconds of one `_foreach_copy_` of `tensors` into fresh tensors like them (synchronized)."""
     dsts = [torch.empty_like(t) for t in tensors]
-    times = []
-    for _ in range(repeats):
-        gdist.synchronize()
-        t0 = time.perf_counter()
-        torch._foreach_copy_(dsts, tensors)
-        gdist.synchronize()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    return median_seconds(lambda: torch._foreach_copy_(dsts, tensors), repeats)
 
 
 def switch_parts(actor, rollout, switches: int) -> dict[str, float]:
@@ -50,16 +43,6 @@ def switch_parts(actor, rollout, switches: int) -> dict[str, float]:
         rows.append({"export": phases.get("export", 0.0), "load": phases.get("load", 0.0), **rollout.load_times()})
         actor.to_train()
     return {k: statistics.median(r.get(k, 0.0) for r in rows) for k in ("export", "load", "calls", *PARTS)}
-
-
-def timed_calls(call, repeats: int) -> float:
-    """Median seconds of `call()` over `repeats` calls."""
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        call()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
 
 
 def main() -> int:
@@ -87,7 +70,8 @@ def main() -> int:
         rollout.flush_in_scheduler = fused
         med = switch_parts(actor, rollout, args.switches)
         inside = sum(med[k] for k in PARTS)
-        lines += [f"  the flush {'in the scheduler, after the last call' if fused else 'by the host, a call of its own'}",
+        where = "in the scheduler, after the last call" if fused else "by the host, a call of its own"
+        lines += [f"  the flush {where}",
                   f"  export (host)                     {med['export'] * 1e3:8.2f}",
                   f"  load (host, whole)                {med['load'] * 1e3:8.2f}   {med['calls']:.0f} call(s)"]
         lines += [f"    {k:30s}  {med[k] * 1e3:8.2f}   (in the scheduler)" for k in PARTS]
@@ -106,7 +90,7 @@ def main() -> int:
              "SGLang's cache flush, as the host asks": rollout._flush,
              "flush_cache() called in the scheduler": lambda: rpc("flush_cache"),
              "flush_cache(empty_cache=False) there": lambda: rpc("flush_cache", empty_cache=False)}
-    lines += [f"  {name:42s} {timed_calls(call, args.switches) * 1e3:8.2f}" for name, call in calls.items()]
+    lines += [f"  {name:42s} {median_seconds(call, args.switches) * 1e3:8.2f}" for name, call in calls.items()]
     if args.cprofile:
         import cProfile
         import io

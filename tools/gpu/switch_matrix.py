@@ -89,7 +89,8 @@ def main() -> None:
                           f"({r['sync_over_copy']:.2f}x) | one foreach copy {(r['foreach_s'] or 0) * 1e3:.1f} ms | "
                           f"host {r['host_us_per_tensor'] or 0:.1f} us/tensor | own load {r['own_load_s'] * 1e3:.1f} ms "
                           f"({r['sync_over_own_load']:.2f}x) | pcie {(r['pcie_s'] or 0) * 1e3:.1f} ms | naive "
-                          f"{r['naive_s']:.2f} s ({r['naive_over_sync'] or 0:.0f}x) | to_rollout {r['to_rollout_s'] * 1e3:.1f}"
+                          f"{r['naive_s']:.2f} s ({r['naive_over_sync'] or 0:.0f}x) | to_rollout "
+                          f"{r['to_rollout_s'] * 1e3:.1f}"
                           f" ms {json.dumps({k: round(v * 1e3, 1) for k, v in r['phases'].items()})} | to_train "
                           f"{r['to_train_s'] * 1e3:.1f} ms", flush=True)
                     for note in r["notes"]:

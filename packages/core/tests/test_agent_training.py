@@ -41,7 +41,8 @@ def _rewards(episodes):
 
 
 def _learn(model, kept, rewards, ref_logprobs=None, **algorithm):
-    cfg = build_config(None, {"algorithm": algorithm, "run": {"prompts_per_step": 2}, "rollout": {"n": 4, "logprobs": "always"}})
+    cfg = build_config(None, {"algorithm": algorithm, "run": {"prompts_per_step": 2},
+                              "rollout": {"n": 4, "logprobs": "always"}})
     torch.manual_seed(0)
     policy = TorchTrainEngine.build(model, lr=1e-2)
     critic = TorchTrainEngine.build(model, lr=1e-2, value_head=True) if algorithm.get("name") == "ppo" else None
@@ -165,7 +166,8 @@ def test_a_run_trains_on_episodes_and_reports_them(gearshift_model, tmp_path, ta
         pytest.importorskip("peft")
     model = {"path": gearshift_model, "lora": {"r": lora}} if lora else gearshift_model
     history = Trainer(model=model, data={"task": task}, algorithm={"name": algorithm},
-                      agent={"max_turns": 3, "max_tokens": 24}, rollout={"n": 2, "max_tokens": 8, "backend": "hf", "logprobs": "always"},
+                      agent={"max_turns": 3, "max_tokens": 24}, rollout={"n": 2, "max_tokens": 8, "backend": "hf",
+                                                                 "logprobs": "always"},
                       train={"backend": "torch"},
                       run={"steps": 2, "prompts_per_step": 2, "output_dir": str(tmp_path), **FAST}).train()
     last = history[-1]

@@ -22,7 +22,8 @@ def _rollouts():
 
 
 def _learn(model, train=None, **algorithm):
-    cfg = build_config(None, {"algorithm": algorithm, "run": {"prompts_per_step": 2}, "rollout": {"n": 4, "logprobs": "always"},
+    cfg = build_config(None, {"algorithm": algorithm, "run": {"prompts_per_step": 2},
+                              "rollout": {"n": 4, "logprobs": "always"},
                               "train": train or {}})
     engine = TorchTrainEngine.build(model, lr=1e-2)
     calls = []

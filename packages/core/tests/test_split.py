@@ -20,7 +20,8 @@ def config(model, out, steps=2, pools=None, **sections):
     run = {"placement": "split", "steps": steps, "prompts_per_step": 4, "output_dir": str(out), "progress": False,
            "tensorboard": False, "plot": False, "checkpoint_every": 0, "pools": {"train": 1, "rollout": 1, **(pools or {})},
            **sections.pop("run", {})}
-    return build_config(None, {"model": {"path": model}, "rollout": {"backend": "hf", "n": 2, "max_tokens": 3, "logprobs": "always"},
+    return build_config(None, {"model": {"path": model}, "rollout": {"backend": "hf", "n": 2, "max_tokens": 3,
+                                                                                "logprobs": "always"},
                                "train": {"backend": "torch", "lr": 1e-2}, "run": run, **sections})
 
 

@@ -185,7 +185,6 @@ class SGLangRolloutEngine(RolloutEngine):
         self._sources = Sources()
         self._updates = 0  # numbers each update for the scheduler (it checks its views once per update)
         self._flushed = 0  # the last update whose prefix-cache flush the scheduler did after its last call
-        self._in_session = False  # the update under way runs in SGLang's begin/end session
         #: the last call of an update flushes the prefix cache in the scheduler (one round trip less)
         self.flush_in_scheduler = True
         self.direct_refusal: str | None = None
@@ -311,7 +310,8 @@ class SGLangRolloutEngine(RolloutEngine):
         """
         loaded, applied = 0, 0
         sources: dict[str, torch.Tensor] = {}  # the trainer's own tensors, copied from in the scheduler at the end
-        with self._weight_update(session=self._sessions and not self._all_landed()):
+        session = self._sessions and not self._all_landed()
+        with self._weight_update(session=session):
             try:
                 for bucket in buckets:
                     try:
@@ -337,7 +337,7 @@ class SGLangRolloutEngine(RolloutEngine):
                     del tensors, bucket
                 # the last call into the scheduler flushes the prefix cache there too (outside a session, whose
                 # end comes before the flush)
-                fuse = self.flush_in_scheduler and not self._in_session and "kv_cache" not in self.asleep
+                fuse = self.flush_in_scheduler and not session and "kv_cache" not in self.asleep
                 applied += self._send_group(applied, flush=fuse and not sources)
                 applied += self._send_sources(sources, applied, flush=fuse)
             finally:
@@ -419,7 +419,6 @@ class SGLangRolloutEngine(RolloutEngine):
         if "weights" in self.asleep or "weights" in self._released:
             raise RolloutError("the engine's weights are asleep: call wake(['weights']) before updating them")
         self._updates += 1
-        self._in_session = session
         with self._calling_sglang():
             if session:
                 self._answer("begin_weight_update", self._engine.begin_weight_update())

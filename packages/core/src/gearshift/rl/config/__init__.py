@@ -21,7 +21,7 @@ from .sections import (
 )
 
 __all__ = [
-    "GAE_NORMS", "MISMATCH_EVERY", "SHARE", "AlgorithmConfig", "Config", "ConfigError", "DataConfig", "LoraConfig", "ModelConfig",
-    "PoolsConfig", "RewardConfig", "RolloutConfig", "RunConfig", "Section", "SwitchConfig", "TrainConfig",
-    "build_config", "field_help", "load_config", "normalise", "parse_offload",
+    "GAE_NORMS", "MISMATCH_EVERY", "SHARE", "AlgorithmConfig", "Config", "ConfigError", "DataConfig", "LoraConfig",
+    "ModelConfig", "PoolsConfig", "RewardConfig", "RolloutConfig", "RunConfig", "Section", "SwitchConfig",
+    "TrainConfig", "build_config", "field_help", "load_config", "normalise", "parse_offload",
 ]
