@@ -114,7 +114,9 @@ class Learner:
         # of this rank's share, in order, so a prompt's samples stay together
         mini_size = -(-batch.size // max(1, min(cfg.mini_batches(), batch.size)))
         reused = mini_size if self._reusable() else 0  # leading rows whose training forward gives the old logprobs
-        extras: dict[str, torch.Tensor] = {"rollout_logprobs": rollout_lp} if reused and rollout_lp is not None else {}
+        extras: dict[str, torch.Tensor] = {}
+        if reused and rollout_lp is not None:
+            extras["rollout_logprobs"] = rollout_lp
         old = None
         if reused < batch.size:
             with timed("old_logprobs"):
