@@ -196,6 +196,36 @@ def test_lent_buckets_reach_the_rollout_engine_as_one(pair):
     assert len(cast) == len(cast_plan.buckets) > 2 and not any(b.lent for b in cast)
 
 
+def test_a_sync_of_lent_weights_looks_them_up_once(pair):
+    """Every weight lent whole: the sender reads them in one look-up, not one per bucket (its host work per bucket
+    was most of a 7B export); with a cast wanted for some weights, the lent ones still come as one bucket and the
+    cast ones as planned."""
+    from gearshift.reshard import stream_plan
+
+    train, _ = pair
+    src = train.weight_spec()
+    plan = plan_reshard(src, src, bucket_bytes=max(p.nbytes for p in src))
+    calls = {"local_weights": 0, "materialized": 0}
+
+    def counted(name, fn):
+        def call(names):
+            calls[name] += 1
+            return fn(names)
+        return call
+    look_up, around = counted("local_weights", train.local_weights), counted("materialized", train.materialized)
+    (bucket,) = stream_plan(plan, look_up, materialized=around, lent=True)
+    assert calls == {"local_weights": 1, "materialized": 1} and len(plan.buckets) > 2
+    assert bucket.lent and set(bucket.tensors) == set(src.names())
+    some = {p.name for p in src}.pop()
+    mixed = WeightSpec(src.mesh, tuple(ParamSpec(p.name, p.shape, torch.bfloat16 if p.name == some else p.dtype,
+                                                 p.placement) for p in src), aliases=src.aliases)
+    mixed_plan = plan_reshard(src, mixed, bucket_bytes=max(p.nbytes for p in src))
+    out = list(stream_plan(mixed_plan, train.local_weights, lent=True))
+    assert [b.lent for b in out] == [False, True]
+    assert out[0].tensors[some].dtype == torch.bfloat16 and some not in out[1].tensors
+    assert set(out[0].tensors) | set(out[1].tensors) == set(src.names())
+
+
 def test_a_lora_trainer_lends_nothing(gearshift_model):
     from gearshift.reshard.resharders import lends
 

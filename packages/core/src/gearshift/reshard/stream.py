@@ -45,7 +45,9 @@ def stream_plan(
     syncs (`TrainEngine.can_lend_weights`, no LoRA merge); a bucket passed on as those tensors
     themselves, nothing cut or cast, is marked `WeightBucket.lent`. Such buckets hold no memory of
     their own, so they are passed on as one, after the others: a receiver's work per bucket (checks, a
-    call, a batched copy) is then paid once a sync (at 7B, about 105 buckets of 128 MiB).
+    call, a batched copy) is then paid once a sync (at 7B, about 105 buckets of 128 MiB). Where every
+    weight is lent whole, the export itself is one look-up of them all (`materialized` entered once around it):
+    no work per bucket on the sender's side either.
     """
     rank = gdist.rank() if rank is None else rank
     sends = plan.src.mesh_rank(rank) is not None
@@ -57,6 +59,17 @@ def stream_plan(
     def tag(bucket: BucketPlan, dtype: torch.dtype) -> int:  # both ends work it out from the plan alone
         return bucket.index * len(dtypes) + dtypes.index(str(dtype))
 
+    if lent and sends:  # every weight lent as it is: one look-up and one bucket for the whole sync
+        whole = [w for bucket in plan.buckets for w in (plan.whole_bucket(rank, bucket) or [None])]
+        if whole and None not in whole:
+            sources = [plan.source_names[n] for n, _ in whole]
+            with materialized(sources):
+                by_source = local_weights(sources)
+                if all(not cast or by_source[s].dtype == d for (_, d), s in zip(whole, sources)):
+                    yield WeightBucket({n: by_source[s] for (n, _), s in zip(whole, sources)},
+                                       plan.buckets[0].index, lent=True)
+                    return
+                by_source = None  # a cast wanted somewhere: bucket by bucket below
     kept: WeightBucket | None = None  # the lent buckets so far, as one
     for bucket in plan.buckets:
         if not sends:
