@@ -5,7 +5,7 @@
 
 After warm-up switches, each switch to rollout is timed by its `SwitchReport` (export, load) and the scheduler
 reports the parts of the load it ran itself (`SGLangRolloutEngine.load_times`: receive, check, loader, copy,
-wait); the load's rest is the host's side of the calls (serializing, ZeroMQ, waiting for the scheduler's loop).
+flush (the update's own, run while the GPU copies), wait); the load's rest is the host's side of the calls (serializing, ZeroMQ, waiting for the scheduler's loop).
 Prints each part's median with the update's prefix-cache flush in the scheduler (the default) and by the host,
 the same bytes copied once by `_foreach_copy_` in this process for scale, and the round trips alone (a call that
 does nothing much, the flush each way). Runs on a CPU too (a tiny model). A tool, not a test.
@@ -24,7 +24,7 @@ from gearshift.bench.timing import median_seconds
 from gearshift.hybrid import HybridActor
 from gearshift.models import resolve_model
 
-PARTS = ("receive", "check", "loader", "copy", "wait")
+PARTS = ("receive", "check", "loader", "copy", "flush", "wait")
 
 
 def foreach_copy_s(tensors: list[torch.Tensor], repeats: int) -> float:

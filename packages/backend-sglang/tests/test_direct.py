@@ -324,6 +324,7 @@ def test_the_scheduler_reports_where_the_last_updates_time_went(engine, original
     host = time.perf_counter() - t0
     times = engine.load_times()
     assert times["calls"] >= 1 and times["copy"] > 0 and "check" in times
+    assert "flush" in times, "the update's prefix-cache flush ran outside its last call's copies"
     assert sum(v for k, v in times.items() if k != "calls") < host, "the scheduler's parts outlast the whole"
     trainer = {n: t.clone() for n, t in original.items()}
     try:

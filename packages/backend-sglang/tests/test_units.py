@@ -339,3 +339,36 @@ def test_the_walk_over_zmq_contexts_passes_weak_proxies_whose_referent_is_gone()
         assert proxy is not None  # dangling, and still tracked by the collector
     finally:
         context.term()
+
+
+def test_the_updates_flush_runs_between_issuing_the_copies_and_waiting_for_them(monkeypatch):
+    """The prefix-cache flush is host work in the scheduler: run while the device still copies the weights, it costs
+    the sync nothing of its own. The wait for the copies comes however the flush ends (the trainer writes its next
+    step into the tensors read as soon as the call returns)."""
+    import pytest
+    import torch
+
+    from gearshift_sglang import direct
+
+    events = []
+    monkeypatch.setattr(direct, "copy_weights_", lambda dsts, srcs: events.append("copy"))
+
+    class Stream:
+        def synchronize(self):
+            events.append("wait")
+    monkeypatch.setattr(direct.torch.cuda, "current_stream", lambda *a: Stream())
+
+    class OnDevice:  # what the scheduler's views report on a GPU
+        is_cuda = True
+    plan = direct.Layout(named=[("w", OnDevice())], dsts=[torch.zeros(2)], srcs=[torch.ones(2)], rest=[])
+    load = direct.DirectLoad(runner=None)
+    load._apply(plan, loader_allowed=True, while_copying=lambda: events.append("flush"))
+    assert events == ["copy", "flush", "wait"] and set(load.times) >= {"copy", "flush", "wait"}
+    events.clear()
+
+    def refused():
+        events.append("flush")
+        raise RuntimeError(direct.NOT_FLUSHED)
+    with pytest.raises(RuntimeError, match="not flushed"):
+        load._apply(plan, loader_allowed=True, while_copying=refused)
+    assert events == ["copy", "flush", "wait"]

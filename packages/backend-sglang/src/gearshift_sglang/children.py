@@ -34,7 +34,8 @@ The scheduler gets two methods that the engine calls through SGLang's
   those views in one batched copy (`direct.DirectLoad.copy_sources`);
   `gearshift_release_sources()` lets go of them.
 - With `flush`, the last call of an update also flushes the prefix cache, which
-  the host would otherwise ask for in a call of its own; a scheduler not yet
+  the host would otherwise ask for in a call of its own, between issuing the
+  copies and waiting for them (its host work hides behind the GPU's copies); a scheduler not yet
   idle enough to flush raises `NOT_FLUSHED` once the weights are in, and the
   host flushes as before.
 """
@@ -117,22 +118,25 @@ def _in_session(self) -> bool:
 
 
 def _load(self, payload: str, buffer: int, layout: int, update: int, flush: bool = False) -> None:
-    self.gearshift_direct.load(payload, buffer, layout, update, loader_allowed=_in_session(self))
-    _flush_after(self, flush)
+    self.gearshift_direct.load(payload, buffer, layout, update, loader_allowed=_in_session(self),
+                               while_copying=_flush(self) if flush else None)
 
 
 def _sources(self, payload: str, update: int, flush: bool = False) -> None:
-    self.gearshift_direct.copy_sources(payload, update, loader_allowed=_in_session(self))
-    _flush_after(self, flush)
+    self.gearshift_direct.copy_sources(payload, update, loader_allowed=_in_session(self),
+                                       while_copying=_flush(self) if flush else None)
 
 
-def _flush_after(self, flush: bool) -> None:
-    """The update's prefix-cache flush, here where its last call ran, saving the host a round trip; torch's cached
-    blocks stay (the update allocated nothing that the next batch would not take again)."""
+def _flush(self):
+    """The update's prefix-cache flush, here where its last call runs, saving the host a round trip, and while the
+    GPU still copies the weights (`DirectLoad.load`), so its host work hides behind them; torch's cached blocks
+    stay (the update allocated nothing that the next batch would not take again)."""
     from .direct import NOT_FLUSHED
 
-    if flush and not self.flush_cache(empty_cache=False):
-        raise RuntimeError(NOT_FLUSHED)
+    def flush() -> None:
+        if not self.flush_cache(empty_cache=False):
+            raise RuntimeError(NOT_FLUSHED)
+    return flush
 
 
 def _release_sources(self) -> None:

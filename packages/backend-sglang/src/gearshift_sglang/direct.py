@@ -36,6 +36,7 @@ import time
 import warnings
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 
@@ -86,7 +87,8 @@ class DirectLoad:
         self.checked_update = -1
         #: seconds each part of the last update's calls took in this process: receive (buffer or tensors
         #: opened), check (the views still SGLang's parameters), loader (SGLang's own), copy (the copies
-        #: issued), wait (until the device finished them), and "calls" (how many)
+        #: issued), flush (the update's prefix-cache flush, run while the device copies), wait (until the
+        #: device finished them), and "calls" (how many)
         self.times: dict[str, float] = {}
         self.times_update = -1
 
@@ -126,15 +128,21 @@ class DirectLoad:
         return None if ok else f"SGLang refuses weight updates here: {message}"
 
     # --- on every bucket ----------------------------------------------------------------
-    def load(self, payload: str, buffer: int, layout: int, update: int, loader_allowed: bool = True) -> None:
+    def load(self, payload: str, buffer: int, layout: int, update: int, loader_allowed: bool = True,
+             while_copying: Callable[[], None] | None = None) -> None:
         """Load one bucket: `payload` (empty when this buffer and layout were received before) names them.
-        Weights that did not land are refused unless `loader_allowed` (SGLang's loader may run now)."""
+        Weights that did not land are refused unless `loader_allowed` (SGLang's loader may run now).
+        `while_copying` (the update's prefix-cache flush) runs once the copies are issued and before the wait
+        for them: its host work then costs nothing beside the copies on the GPU. The wait comes however it
+        ends."""
         self._start_timing(update)
-        self._apply(self._plan(payload, buffer, layout, update), loader_allowed)
+        self._apply(self._plan(payload, buffer, layout, update), loader_allowed, while_copying)
 
-    def copy_sources(self, payload: str, update: int, loader_allowed: bool = True) -> None:
+    def copy_sources(self, payload: str, update: int, loader_allowed: bool = True,
+                     while_copying: Callable[[], None] | None = None) -> None:
         """Copy the trainer's tensors into SGLang's parameters: those of `payload` (SGLang's serialized
-        (name, tensor) list, kept from now on), or with an empty one those kept from before."""
+        (name, tensor) list, kept from now on), or with an empty one those kept from before. `while_copying`
+        runs once the copies are issued, before waiting for them (`load`)."""
         self._start_timing(update)
         with self._timed("receive"):
             if payload:
@@ -143,7 +151,7 @@ class DirectLoad:
         if self.sources is None:
             raise RuntimeError("gearshift: no trainer tensors were handed to this scheduler")
         self._check_once(update)
-        self._apply(self.sources, loader_allowed)
+        self._apply(self.sources, loader_allowed, while_copying)
 
     def release_sources(self) -> None:
         self.sources = None
@@ -161,18 +169,24 @@ class DirectLoad:
         finally:
             self.times[part] = self.times.get(part, 0.0) + time.perf_counter() - t0
 
-    def _apply(self, plan: Layout, loader_allowed: bool) -> None:
+    def _apply(self, plan: Layout, loader_allowed: bool,
+               while_copying: Callable[[], None] | None = None) -> None:
         if plan.rest:  # first: a refusal by SGLang then leaves the whole bucket unapplied
             with self._timed("loader"):
                 self._through_loader(plan.rest, loader_allowed)
         if plan.dsts:
             with self._timed("copy"):
                 copy_weights_(plan.dsts, plan.srcs)
-        if plan.named and plan.named[0][1].is_cuda:
-            # the host writes the next bucket into the same buffer, or the trainer its next step into its
-            # tensors, as soon as this call returns
-            with self._timed("wait"):
-                torch.cuda.current_stream().synchronize()
+        try:
+            if while_copying is not None:
+                with self._timed("flush"):
+                    while_copying()
+        finally:
+            if plan.named and plan.named[0][1].is_cuda:
+                # the host writes the next bucket into the same buffer, or the trainer its next step into its
+                # tensors, as soon as this call returns
+                with self._timed("wait"):
+                    torch.cuda.current_stream().synchronize()
 
     def _plan(self, payload: str, buffer: int, layout: int, update: int) -> Layout:
         if payload:
