@@ -228,6 +228,29 @@ def test_lent_tensors_are_handed_over_once_then_read_where_they_are_at_each_sync
         engine.update_weights(as_buckets(original, engine.device))
 
 
+def test_a_sync_of_the_very_tensors_the_scheduler_holds_checks_nothing_again(engine, original, monkeypatch):
+    """The trainer lends the same tensors at every sync: once handed over (and checked), a later sync of them is
+    one call with nothing read but their addresses; a tensor made anew, or of another shape, is checked again."""
+    trainer = {n: t.clone() for n, t in perturbed(original).items()}
+    checks, real = [], type(engine._spec).check
+    monkeypatch.setattr(type(engine._spec), "check", lambda *a, **k: (checks.append(1), real(*a, **k))[1])
+    try:
+        engine.update_weights(lent_buckets(trainer, per_bucket=len(trainer)))
+        assert checks and engine._sources.known(trainer)
+        checks.clear()
+        nbytes = engine.update_weights(lent_buckets(trainer, per_bucket=len(trainer)))
+        assert not checks and nbytes == sum(t.numel() * t.element_size() for t in trainer.values())
+        name = next(iter(trainer))
+        wrong = dict(trainer, **{name: trainer[name][:1].clone()})
+        with pytest.raises(WeightError, match="shape"):
+            engine.update_weights(lent_buckets(wrong, per_bucket=len(wrong)))
+        assert checks
+    finally:
+        monkeypatch.undo()
+        engine.release_sources()
+        engine.update_weights(as_buckets(original, engine.device))
+
+
 def test_lent_tensors_in_the_trainers_dtype_are_cast_as_they_are_copied(engine, original):
     """fp32 master weights reach a bf16 engine uncast: the scheduler casts as it copies (`casts_on_load`)."""
     assert engine.casts_on_load

@@ -310,10 +310,16 @@ class SGLangRolloutEngine(RolloutEngine):
         """
         loaded, applied = 0, 0
         sources: dict[str, torch.Tensor] = {}  # the trainer's own tensors, copied from in the scheduler at the end
+        held = False  # `sources` are the very tensors the scheduler holds, checked when they were handed over
         session = self._sessions and not self._all_landed()
         with self._weight_update(session=session):
             try:
                 for bucket in buckets:
+                    if bucket.lent and not sources and self._sources.known(bucket.tensors):
+                        sources, held = dict(bucket.tensors), True  # nothing to check or sort out again
+                        loaded += self._sources.nbytes
+                        continue
+                    held = False
                     try:
                         tensors = self._spec.check(bucket.tensors, self.rank)
                     except WeightError as e:
@@ -339,7 +345,7 @@ class SGLangRolloutEngine(RolloutEngine):
                 # end comes before the flush)
                 fuse = self.flush_in_scheduler and not session and "kv_cache" not in self.asleep
                 applied += self._send_group(applied, flush=fuse and not sources)
-                applied += self._send_sources(sources, applied, flush=fuse)
+                applied += self._send_sources(sources, applied, flush=fuse, held=held)
             finally:
                 self._flat.drop_open()
         return loaded
@@ -348,13 +354,14 @@ class SGLangRolloutEngine(RolloutEngine):
         """Whether the scheduler can read these tensors where they are (on the engine's device)."""
         return all(t.device == self.device and t.is_floating_point() for t in tensors.values())
 
-    def _send_sources(self, sources: dict[str, torch.Tensor], applied: int, flush: bool = False) -> int:
+    def _send_sources(self, sources: dict[str, torch.Tensor], applied: int, flush: bool = False,
+                      held: bool = False) -> int:
         """Have the scheduler copy `sources` (trainer tensors) into its parameters, handing them over only when
-        they are not those it holds, and with `flush` flush the prefix cache after; the number of weights (0:
-        none)."""
+        they are not those it holds (`held`: known to be), and with `flush` flush the prefix cache after; the
+        number of weights (0: none)."""
         if not sources:
             return 0
-        payload = "" if self._sources.known(sources) else self._sources.payload(sources)
+        payload = "" if held or self._sources.known(sources) else self._sources.payload(sources)
         if self.on_gpu:  # the trainer's last writes into them (its optimizer step) finish before the scheduler reads
             torch.cuda.current_stream(self.device).synchronize()
         ok, message = self._call_loading("gearshift_sources", flush, payload=payload, update=self._updates)

@@ -193,18 +193,28 @@ class Sources:
     def __init__(self) -> None:
         self.held: dict[str, torch.Tensor] = {}
         self._key: tuple | None = None
+        self._at: dict[str, int] = {}  # each held tensor's address when handed over
+        #: the bytes held
+        self.nbytes = 0
         #: how often the tensors were handed over (a benchmark or test reads it)
         self.handed = 0
 
     @staticmethod
     def key(tensors: dict[str, torch.Tensor]) -> tuple:
-        """Where each tensor lies: its storage, offset, shape, strides and dtype."""
-        return tuple((n, t.untyped_storage().data_ptr(), t.data_ptr(), t.dtype, tuple(t.shape), t.stride())
-                     for n, t in tensors.items())
+        """Where each tensor lies: its first element's address, shape, strides and dtype. The tensors held
+        keep their storages alive, so a tensor at the same address as a held one is in that same storage."""
+        return tuple((n, t.data_ptr(), t.dtype, t.shape, t.stride()) for n, t in tensors.items())
 
     def known(self, tensors: dict[str, torch.Tensor]) -> bool:
-        """Whether the scheduler holds exactly these tensors."""
-        return self._key is not None and self._key == self.key(tensors)
+        """Whether the scheduler holds exactly these tensors: the held tensor objects themselves, still where
+        they were (a trainer hands the same ones at each sync: no shape or stride to read), or others at the
+        same places."""
+        if self._key is None:
+            return False
+        held, at = self.held, self._at
+        if len(tensors) == len(held) and all(held.get(n) is t and at[n] == t.data_ptr() for n, t in tensors.items()):
+            return True
+        return self._key == self.key(tensors)
 
     def payload(self, tensors: dict[str, torch.Tensor]) -> str:
         """SGLang's serialized form of `tensors` (storages shared, never copied); they are held from now on."""
@@ -213,11 +223,13 @@ class Sources:
         with torch.no_grad():
             payload = MultiprocessingSerializer.serialize(list(tensors.items()), output_str=True)
         self.held, self._key = dict(tensors), None  # marked known once the scheduler has them (`handed_over`)
+        self.nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
         return payload
 
     def handed_over(self) -> None:
-        self._key = self.key(self.held)  # after: a CPU storage moved into shared memory as it was serialized
+        # after: a CPU storage moved into shared memory as it was serialized
+        self._key, self._at = self.key(self.held), {n: t.data_ptr() for n, t in self.held.items()}
         self.handed += 1
 
     def release(self) -> None:
-        self.held, self._key = {}, None
+        self.held, self._key, self._at, self.nbytes = {}, None, {}, 0
