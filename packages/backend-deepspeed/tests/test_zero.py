@@ -309,33 +309,6 @@ def test_zero3_moves_its_state_with_the_heap_frozen_and_gives_it_back_as_found(g
         assert seen == [0] * len(seen)
 
 
-def test_a_heap_frozen_by_another_is_left_frozen(monkeypatch):
-    from gearshift_deepspeed import offload
-
-    calls, frozen = [], [0]
-
-    class FakeGC:
-        def get_freeze_count(self):
-            return frozen[0]
-
-        def freeze(self):
-            calls.append("freeze")
-
-        def unfreeze(self):
-            calls.append("unfreeze")
-    monkeypatch.setattr(offload, "gc", FakeGC())
-    with offload.heap_frozen():
-        assert calls == ["freeze"]
-    assert calls == ["freeze", "unfreeze"]
-    calls.clear()
-    frozen[0] = 7  # vLLM's engine froze it: an unfreeze would give its objects back too
-    with offload.heap_frozen():
-        pass
-    with offload.heap_frozen(on=False):
-        pass
-    assert calls == []
-
-
 def test_value_head_trains_and_saves(gearshift_model, gearshift_shared_tmp):
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM

@@ -71,3 +71,42 @@ def test_threads_for_the_block_only():
     with threads(1):
         assert torch.get_num_threads() == 1
     assert torch.get_num_threads() == n
+
+
+def test_a_frozen_heap_is_given_back_and_a_heap_frozen_by_another_is_left_frozen(monkeypatch):
+    """`heap_frozen` freezes the heap for its block and gives it back; where another froze it first (vLLM's engine
+    does at start) it does nothing, since `gc.unfreeze` would give back that one's objects too."""
+    from gearshift import containment
+
+    calls, frozen = [], [0]
+
+    class FakeGC:
+        def get_freeze_count(self):
+            return frozen[0]
+
+        def collect(self):
+            calls.append("collect")
+
+        def freeze(self):
+            calls.append("freeze")
+
+        def unfreeze(self):
+            calls.append("unfreeze")
+    monkeypatch.setattr(containment, "gc", FakeGC())
+    with containment.heap_frozen(collect=True):
+        assert calls == ["collect", "freeze"]
+    assert calls == ["collect", "freeze", "unfreeze"]
+    calls.clear()
+    try:
+        with containment.heap_frozen():
+            raise KeyError("a failing step")
+    except KeyError:
+        pass
+    assert calls == ["freeze", "unfreeze"]
+    calls.clear()
+    frozen[0] = 7
+    with containment.heap_frozen(collect=True):
+        pass
+    with containment.heap_frozen(on=False):
+        pass
+    assert calls == []

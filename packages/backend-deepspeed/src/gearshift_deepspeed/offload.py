@@ -22,19 +22,19 @@ base) lie outside ZeRO-1/2's flat groups, so the stash takes them with `params`;
 at ZeRO-3 DeepSpeed's move of `lp_params` breaks on them (it maps every
 parameter's partition into a buffer that holds only the trainable ones), so the
 stash takes every partition there. Either way the round
-trip is bit-exact. ZeRO-3's move runs with the host's heap frozen (`heap_frozen`),
-so the full garbage collection DeepSpeed ends it with walks only what the move made. Bytes are what leaves (or returns to) the device: on a CPU
+trip is bit-exact. ZeRO-3's move runs with the host's heap frozen
+(`gearshift.containment.heap_frozen`), so the full garbage collection DeepSpeed ends
+it with walks only what the move made. Bytes are what leaves (or returns to) the device: on a CPU
 the state already lives in host memory, DeepSpeed's bookkeeping runs but copies
 nothing, and the count is 0.
 """
 
 from __future__ import annotations
 
-import gc
-from contextlib import contextmanager
-from typing import Iterator, Sequence
+from typing import Sequence
 
 import torch
+from gearshift.containment import heap_frozen
 from gearshift.offload import HostStash
 
 TAG_STATES: dict[str, tuple[str, ...]] = {
@@ -139,7 +139,10 @@ class ZeroOffloader:
     def _offload_states(self, kinds: list[str]) -> None:
         from deepspeed.runtime.zero.offload_config import OffloadDeviceEnum, OffloadStateTypeEnum
 
-        # pinned staging buffers make the copy back a DMA; on a CPU there is nothing to stage
+        # pinned staging buffers make the copy back a DMA; on a CPU there is nothing to stage. ZeRO-3's move ends in
+        # a full gc.collect(), though it frees what it moves by dropping references: 0.2-0.4 s an offload on 2 CPU
+        # cores, walking the whole heap, where the move itself took 0.3 ms. ZeRO-1/2 collects to free the
+        # references it clears: its heap is left as it is.
         with heap_frozen(self.engine.zero_optimization_stage() == 3):
             self.engine.offload_states(include=[OffloadStateTypeEnum(k) for k in kinds],
                                        device=OffloadDeviceEnum.cpu, pin_memory=self.device.type == "cuda",
@@ -171,25 +174,3 @@ class ZeroOffloader:
             return 0
         torch.cuda.synchronize(self.device)
         return torch.cuda.memory_allocated(self.device)
-
-
-@contextmanager
-def heap_frozen(on: bool = True) -> Iterator[None]:
-    """With `on`, the objects alive now are out of the garbage collector's reach for the block (`gc.freeze`).
-
-    ZeRO-3's `offload_states` ends in a full `gc.collect()`, a walk over every object of the process, though it
-    frees what it moved by dropping references (it swaps each buffer's `.data`): 0.15-0.3 s on a 2-core CPU with
-    a trainer alone (470,000 objects), 0.45-0.5 s once SGLang's host side is imported beside it (750,000), paid
-    at every switch that offloads. Frozen, that collection walks only what the offload itself made. Where the
-    heap is frozen already (vLLM freezes it when its engine starts, and gives it back when the engine closes),
-    nothing is done: `gc.unfreeze` would give back every frozen object, not only these. ZeRO-1/2's
-    `offload_states` clears references to device buffers and collects to free them: not frozen there.
-    """
-    if not on or gc.get_freeze_count():
-        yield
-        return
-    gc.freeze()
-    try:
-        yield
-    finally:
-        gc.unfreeze()

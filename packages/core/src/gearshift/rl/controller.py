@@ -25,6 +25,7 @@ from .engines import (
     build_critic, build_policy, build_reference, build_resharder, build_reward_model, build_rollout, check_context,
     check_options,
 )
+from ..containment import heap_frozen
 from ..hybrid import HybridActor
 from ..profiler import device_used_bytes, step_peak_bytes
 from .agent import Agent, episode_metrics
@@ -225,7 +226,10 @@ class Controller:
 
     # --- the whole run --------------------------------------------------------------------
     def fit(self) -> list[dict[str, Any]]:
-        """Run until `run.steps`, checkpointing as configured; returns every step's metrics."""
+        """Run until `run.steps`, checkpointing as configured; returns every step's metrics.
+
+        The steps run with the heap as it stands at their start frozen (`heap_frozen`): the engines, models and
+        data live to the end, and no full collection walks them again (vLLM's engine freezes it likewise)."""
         from tqdm import tqdm
 
         cfg = self.config.run
@@ -233,18 +237,19 @@ class Controller:
         bar = tqdm(total=cfg.steps, initial=self.step, desc="gearshift", unit="step",
                    disable=not cfg.progress or self.rank != 0, dynamic_ncols=True)
         try:
-            while self.step < cfg.steps:
-                metrics = self.run_step()
-                history.append(metrics)
-                self.logger.log(self.step, metrics)
-                if self.rank == 0:
-                    bar.update(1)
-                    bar.set_postfix(reward=f"{metrics['reward/mean']:.3f}", kl=f"{metrics.get('kl/ref', 0):.3f}",
-                                    len=f"{metrics['response_len/mean']:.1f}")
-                    for prompt, text, rw in self.samples:
-                        bar.write(f"[step {self.step}] {prompt!r} -> {text!r} (reward {rw:g})")
-                if cfg.checkpoint_every and self.step % cfg.checkpoint_every == 0:
-                    self.save_checkpoint()
+            with heap_frozen(collect=True):
+                while self.step < cfg.steps:
+                    metrics = self.run_step()
+                    history.append(metrics)
+                    self.logger.log(self.step, metrics)
+                    if self.rank == 0:
+                        bar.update(1)
+                        bar.set_postfix(reward=f"{metrics['reward/mean']:.3f}", kl=f"{metrics.get('kl/ref', 0):.3f}",
+                                        len=f"{metrics['response_len/mean']:.1f}")
+                        for prompt, text, rw in self.samples:
+                            bar.write(f"[step {self.step}] {prompt!r} -> {text!r} (reward {rw:g})")
+                    if cfg.checkpoint_every and self.step % cfg.checkpoint_every == 0:
+                        self.save_checkpoint()
         finally:
             bar.close()
             self.logger.close()
