@@ -5,7 +5,8 @@
 
 After warm-up switches, each switch to rollout is timed by its `SwitchReport` (export, load) and the scheduler
 reports the parts of the load it ran itself (`SGLangRolloutEngine.load_times`: receive, check, loader, copy,
-flush (the update's own, run while the GPU copies), wait); the load's rest is the host's side of the calls (serializing, ZeroMQ, waiting for the scheduler's loop).
+flush (the update's own, run while the GPU copies), wait); the load's rest is the host's side of the calls
+(serializing, ZeroMQ, waiting for the scheduler's loop).
 Prints each part's median with the update's prefix-cache flush in the scheduler (the default) and by the host,
 the same bytes copied once by `_foreach_copy_` in this process for scale, and the round trips alone (a call that
 does nothing much, the flush each way). Runs on a CPU too (a tiny model). A tool, not a test.

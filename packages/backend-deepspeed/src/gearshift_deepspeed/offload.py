@@ -139,10 +139,9 @@ class ZeroOffloader:
     def _offload_states(self, kinds: list[str]) -> None:
         from deepspeed.runtime.zero.offload_config import OffloadDeviceEnum, OffloadStateTypeEnum
 
-        # pinned staging buffers make the copy back a DMA; on a CPU there is nothing to stage. ZeRO-3's move ends in
-        # a full gc.collect(), though it frees what it moves by dropping references: 0.2-0.4 s an offload on 2 CPU
-        # cores, walking the whole heap, where the move itself took 0.3 ms. ZeRO-1/2 collects to free the
-        # references it clears: its heap is left as it is.
+        # pinned staging buffers make the copy back a DMA; on a CPU there is nothing to stage. ZeRO-3's move frees
+        # what it moves by dropping references and ends in a full gc.collect() (`heap_frozen`); ZeRO-1/2 collects
+        # to free the references it clears: its heap is left as it is
         with heap_frozen(self.engine.zero_optimization_stage() == 3):
             self.engine.offload_states(include=[OffloadStateTypeEnum(k) for k in kinds],
                                        device=OffloadDeviceEnum.cpu, pin_memory=self.device.type == "cuda",

@@ -193,7 +193,6 @@ class Sources:
     def __init__(self) -> None:
         self.held: dict[str, torch.Tensor] = {}
         self._key: tuple | None = None
-        self._at: dict[str, int] = {}  # each held tensor's address when handed over
         #: the bytes held
         self.nbytes = 0
         #: how often the tensors were handed over (a benchmark or test reads it)
@@ -209,12 +208,13 @@ class Sources:
         """Whether the scheduler holds exactly these tensors: the held tensor objects themselves, still where
         they were (a trainer hands the same ones at each sync: no shape or stride to read), or others at the
         same places."""
-        if self._key is None:
+        key, held = self._key, self.held
+        if key is None:
             return False
-        held, at = self.held, self._at
-        if len(tensors) == len(held) and all(held.get(n) is t and at[n] == t.data_ptr() for n, t in tensors.items()):
+        if len(tensors) == len(key) and all(n == k[0] and held[n] is t and k[1] == t.data_ptr()
+                                            for (n, t), k in zip(tensors.items(), key)):
             return True
-        return self._key == self.key(tensors)
+        return key == self.key(tensors)
 
     def payload(self, tensors: dict[str, torch.Tensor]) -> str:
         """SGLang's serialized form of `tensors` (storages shared, never copied); they are held from now on."""
@@ -227,9 +227,8 @@ class Sources:
         return payload
 
     def handed_over(self) -> None:
-        # after: a CPU storage moved into shared memory as it was serialized
-        self._key, self._at = self.key(self.held), {n: t.data_ptr() for n, t in self.held.items()}
+        self._key = self.key(self.held)  # after: a CPU storage moved into shared memory as it was serialized
         self.handed += 1
 
     def release(self) -> None:
-        self.held, self._key, self._at, self.nbytes = {}, None, {}, 0
+        self.held, self._key, self.nbytes = {}, None, 0

@@ -85,7 +85,7 @@ class ReshardPlan:
     _src: dict[str, ParamSpec] = field(default_factory=dict, repr=False)
     _dst: dict[str, ParamSpec] = field(default_factory=dict, repr=False)
     _views: dict[tuple[int, str], RankView] = field(default_factory=dict, repr=False)
-    _whole: dict[tuple[int, int], tuple | None] = field(default_factory=dict, repr=False)
+    _whole: dict[tuple[int, int | None], tuple | None] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
         self._src = self.src.by_name()
@@ -138,6 +138,15 @@ class ReshardPlan:
         if key not in self._whole:
             whole = all(self.rank_view(rank, n).whole for n in bucket.names)
             self._whole[key] = tuple((n, self.target(n).dtype) for n in bucket.names) if whole else None
+        return self._whole[key]
+
+    def whole_plan(self, rank: int) -> tuple[tuple[str, "torch.dtype"], ...] | None:
+        """`whole_bucket` of every bucket at once: (name, rollout dtype) of every weight when `rank` holds each
+        one whole, else None; worked out once."""
+        key = (rank, None)
+        if key not in self._whole:
+            parts = [self.whole_bucket(rank, b) for b in self.buckets]
+            self._whole[key] = tuple(w for p in parts for w in p) if parts and None not in parts else None
         return self._whole[key]
 
     def bytes_received(self, rank: int) -> int:

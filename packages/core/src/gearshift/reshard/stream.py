@@ -59,17 +59,17 @@ def stream_plan(
     def tag(bucket: BucketPlan, dtype: torch.dtype) -> int:  # both ends work it out from the plan alone
         return bucket.index * len(dtypes) + dtypes.index(str(dtype))
 
-    if lent and sends:  # every weight lent as it is: one look-up and one bucket for the whole sync
-        whole = [w for bucket in plan.buckets for w in (plan.whole_bucket(rank, bucket) or [None])]
-        if whole and None not in whole:
-            sources = [plan.source_names[n] for n, _ in whole]
-            with materialized(sources):
-                by_source = local_weights(sources)
-                if all(not cast or by_source[s].dtype == d for (_, d), s in zip(whole, sources)):
-                    yield WeightBucket({n: by_source[s] for (n, _), s in zip(whole, sources)},
-                                       plan.buckets[0].index, lent=True)
-                    return
-                by_source = None  # a cast wanted somewhere: bucket by bucket below
+    whole = plan.whole_plan(rank) if lent and sends else None
+    # every weight lent as it is (the plan's dtypes ask no cast): one look-up and one bucket for the whole sync
+    if whole and (not cast or all(plan.source(n).dtype == d for n, d in whole)):
+        sources = [plan.source_names[n] for n, _ in whole]
+        with materialized(sources):
+            by_source = local_weights(sources)
+            if all(not cast or by_source[s].dtype == d for (_, d), s in zip(whole, sources)):
+                yield WeightBucket({n: by_source[s] for (n, _), s in zip(whole, sources)},
+                                   plan.buckets[0].index, lent=True)
+                return
+            by_source = None  # a tensor of another dtype than its spec says: bucket by bucket below
     kept: WeightBucket | None = None  # the lent buckets so far, as one
     for bucket in plan.buckets:
         if not sends:
