@@ -536,3 +536,28 @@ def test_reserving_runs_deepspeeds_own_move_once_so_its_pinned_buffers_exist_bef
     assert all(torch.equal(a, b) for a, b in zip(state(), before, strict=True))
     engine.train_step(fixed_batch(), nll)  # and training goes on
     engine.close()
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_the_update_a_step_allocates_counts_zeros_master_partitions_and_adams_moments(gearshift_model, stage):
+    """What the memory plan asks before a step (`step_bytes`): at stage 3 the weights are empty outside a gather,
+    so the update is read from the master partitions DeepSpeed's optimizer steps, with Adam's two moments of them
+    until the first step has made them; partitions in host memory (this CPU's, or ZeRO-Offload's) ask nothing."""
+    from gearshift_deepspeed.sharding import update_bytes
+
+    engine = build(gearshift_model, zero_stage=stage)
+    try:
+        masters = engine.sharding.master_partitions()
+        trained = sum(math.prod(engine.sharding.full_shape(n, p)) for n, p in engine.trained.items())
+        assert masters and all(t.dtype == torch.float32 for t in masters)
+        assert sum(t.numel() for t in masters) >= trained / gdist.world_size()  # this rank's share of every weight
+        sizes = [t.numel() * 4 for t in masters]
+        assert not engine.sharding.stepped()
+        assert update_bytes(sizes, stage, stepped=False) == 2 * sum(sizes) + (
+            max(sizes) if stage == 3 else sum(sizes)) + max(sizes)
+        assert engine.step_bytes()[1] == 0  # every partition in this CPU's memory: nothing on a device
+        engine.train_step(fixed_batch(), nll)
+        assert engine.sharding.stepped()
+        assert update_bytes(sizes, stage, stepped=True) == update_bytes(sizes, stage, stepped=False) - 2 * sum(sizes)
+    finally:
+        engine.close()

@@ -59,6 +59,29 @@ def test_the_steps_run_with_the_heap_frozen_and_give_it_back_as_found(gearshift_
     assert gc.get_freeze_count() == before
 
 
+def test_a_policy_that_cannot_train_fails_before_the_rollout_engine_is_built(gearshift_model, tmp_path,
+                                                                              monkeypatch):
+    from gearshift.memory import MemoryPlanError
+    from gearshift.rl import controller
+
+    built, checked = [], []
+
+    def check(policy, longest):
+        checked.append(longest)
+        raise MemoryPlanError("a train step does not fit (found at start)")
+
+    from gearshift.rl.data import PromptDataset
+
+    monkeypatch.setattr(controller, "check_train_fits", check)
+    monkeypatch.setattr(controller, "build_rollout", lambda *a: built.append(a))
+    rows = PromptDataset([{"prompt": f"{i}+1=", "answer": str(i + 1)} for i in range(4)])
+    with pytest.raises(MemoryPlanError, match="found at start"):
+        Trainer(model=gearshift_model, reward=lambda completion, answer: 0.0, dataset=rows,
+                rollout={"n": 2, "max_tokens": 3, "backend": "hf"}, train={"backend": "torch"},
+                data={"max_prompt_len": 16}, run={"steps": 1, "output_dir": str(tmp_path), **FAST}).train()
+    assert checked == [16 + 3] and built == []  # the longest row a step can meet; no rollout engine started
+
+
 def test_ppo_with_critic_and_kl_runs(gearshift_model, tmp_path):
     def longer_is_better(completion):  # a random model earns it too, so advantages are not all zero
         return len(completion) / 3

@@ -236,3 +236,26 @@ def test_tensor_bytes_counts_every_tensor_in_nested_lists_tuples_and_dicts():
 
     kv = [(torch.zeros(2, 3), torch.zeros(4, dtype=torch.bfloat16)), {"k": torch.zeros(5, dtype=torch.int64)}, None]
     assert tensor_bytes(kv) == 2 * 3 * 4 + 4 * 2 + 5 * 8 and tensor_bytes(None) == 0
+
+
+def test_a_policy_that_cannot_train_with_the_device_to_itself_fails_at_start_naming_its_own_knobs(
+        monkeypatch, gearshift_model):
+    """`check_train_fits`, as the RL loop calls it right after the policy is built: the step's own test (rows of
+    the longest length, the optimizer's update) against the memory free before the rollout engine takes any; the
+    message names the engine's own options too. Nothing is asked on a CPU."""
+    from gearshift import memory
+    from gearshift.backends.torch_train import TorchTrainEngine
+
+    engine = TorchTrainEngine.build(gearshift_model)
+    memory.check_train_fits(engine, 40)  # a CPU: nothing to check
+    engine.device = torch.device("cuda")  # the device's memory is simulated
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d: SimpleNamespace(total_memory=100 * GiB))
+    monkeypatch.setattr(memory, "release_cached", lambda d: 0)
+    monkeypatch.setattr(memory, "device_free", lambda d, cached=True: 30 * GiB)
+    monkeypatch.setattr(engine, "step_bytes", lambda: (GiB, 20 * GiB))
+    memory.check_train_fits(engine, 40)  # 20 GiB of update and a 4 GiB margin in 30 GiB free
+    monkeypatch.setattr(engine, "step_bytes", lambda: (GiB, 27 * GiB))
+    monkeypatch.setattr(engine, "memory_hints", ("partition over more GPUs (train.mesh)",))
+    with pytest.raises(MemoryPlanError, match=r"does not fit \(found at start.*update needs 27.0 GiB.*30.0 GiB of "
+                                              r"device memory are free.*partition over more GPUs \(train.mesh\)"):
+        memory.check_train_fits(engine, 40)

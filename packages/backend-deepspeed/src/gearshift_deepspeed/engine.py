@@ -28,7 +28,7 @@ from gearshift.train import TrainArgs
 from .checkpoint import load_checkpoint, save_checkpoint
 from .offload import ZeroOffloader
 from .runtime import import_deepspeed, release
-from .sharding import ZeroSharding
+from .sharding import ZeroSharding, update_bytes
 
 
 class DeepSpeedTrainEngine(ModuleTrainEngine):
@@ -43,6 +43,10 @@ class DeepSpeedTrainEngine(ModuleTrainEngine):
     requires = ("deepspeed",)
     install = "pip install gearshift-deepspeed"
     contract = 2
+    memory_hints = ("keep the optimizer state in host memory (train.options.offload_optimizer=true: DeepSpeed's "
+                    "ZeRO-Offload, its step on the CPU)", "partition over more GPUs (train.mesh)",
+                    "train with fsdp in bfloat16 (train.backend=fsdp model.dtype=bfloat16: DeepSpeed keeps an fp32 "
+                    "copy of the weights and fp32 Adam moments whatever model.dtype says)")
 
     @dataclass(frozen=True)
     class Options(ModuleTrainEngine.Options):
@@ -80,6 +84,15 @@ class DeepSpeedTrainEngine(ModuleTrainEngine):
         factors = [f for n in self.lora.adapted() for f in self.lora.parameters_read([n])[1:]]
         with import_deepspeed().zero.GatheredParameters(factors):
             super().save_hf(path)
+
+    def step_bytes(self) -> tuple[int, int]:
+        """ZeRO's own: the gradients beside the activations as the base counts them (none at stage 3, whose
+        weights are empty outside a gather and whose gradient partitions are held from the start), and the
+        update DeepSpeed's step allocates for the master partitions on the device (`sharding.update_bytes`:
+        under bf16, fp32 moments twice the size of the weights)."""
+        grads, _ = super().step_bytes()
+        held = [t.numel() * t.element_size() for t in self.sharding.master_partitions() if t.device.type != "cpu"]
+        return grads, update_bytes(held, self.zero_stage, self.sharding.stepped())
 
     # --- interface ------------------------------------------------------------------------
     def offload(self, tags: Sequence[str] = TRAIN_TAGS) -> int:

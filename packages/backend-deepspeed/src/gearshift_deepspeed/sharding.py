@@ -80,6 +80,20 @@ class ZeroSharding(Sharding):
     def optimizer(self, params, lr, weight_decay, betas) -> torch.optim.Optimizer:
         return self.engine.optimizer  # DeepSpeed's ZeRO optimizer around the AdamW given to it
 
+    def master_partitions(self) -> list[torch.Tensor]:
+        """The flat partitions DeepSpeed's optimizer steps: this rank's master weights (fp32 under bf16 mixed
+        precision), one per sub-group at stage 3, one per parameter group at stages 1 and 2."""
+        opt = self.engine.optimizer
+        flats = getattr(opt, "fp32_partitioned_groups_flat", None)  # stage 3
+        if flats is None:
+            flats = getattr(opt, "single_partition_of_fp32_groups", None)  # stages 1 and 2
+        return [t for t in flats or () if torch.is_tensor(t)]
+
+    def stepped(self) -> bool:
+        """Whether the optimizer has stepped, so that Adam's moments exist (they are made at the first step)."""
+        inner = getattr(self.engine.optimizer, "optimizer", self.engine.optimizer)
+        return bool(getattr(inner, "state", None))
+
     def backward(self, loss: torch.Tensor) -> None:
         self.engine.backward(loss, scale_wrt_gas=False)  # the base has weighed each micro-batch's loss already
 
@@ -118,4 +132,16 @@ class ZeroSharding(Sharding):
             self._whole = outer  # the gathered tensors go with their last reader
 
 
-__all__ = ["ZeroSharding"]
+def update_bytes(partitions: Sequence[int], zero_stage: int, stepped: bool) -> int:
+    """Device bytes a ZeRO optimizer step allocates beyond the state held, for master partitions of `partitions`
+    bytes on the device: Adam's two moments of each before the first step makes them, the master-dtype
+    gradients the step reads (all partitions at stages 1 and 2; at stage 3 one sub-group at a time, the gradient
+    partitions themselves held from the start), and one temporary the size of the largest partition."""
+    if not partitions:
+        return 0
+    moments = 0 if stepped else 2 * sum(partitions)
+    grads = max(partitions) if zero_stage == 3 else sum(partitions)
+    return moments + grads + max(partitions)
+
+
+__all__ = ["ZeroSharding", "update_bytes"]

@@ -41,6 +41,8 @@ class FSDPTrainEngine(ModuleTrainEngine):
     requires = ("torch",)
     install = "pip install gearshift-fsdp"
     contract = 2
+    memory_hints = ("keep the sharded state in host memory (train.options.cpu_offload=true, its step on the CPU)",
+                    "shard over more GPUs (train.mesh)")
 
     @dataclass(frozen=True)
     class Options(ModuleTrainEngine.Options):

@@ -9,6 +9,7 @@ a CPU the train state lives in host memory already: nothing is planned.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Sequence
 
 import torch
 
@@ -109,13 +110,15 @@ def plan_offload(need: int, free: int, sizes: dict[str, int]) -> OffloadPlan:
 
 
 def gpu_token_budget(config, device: torch.device, longest: int, *, training: bool, checkpointing: bool,
-                     compute_itemsize: int, step_bytes: tuple[int, int]) -> int:
+                     compute_itemsize: int, step_bytes: tuple[int, int], hints: Sequence[str] = (),
+                     when: str = "") -> int:
     """Tokens per micro-batch that fit on `device` now, for a model of `config` whose longest row is `longest`
     tokens; `step_bytes` the gradients and the optimizer's update (`ModuleTrainEngine.step_bytes`).
 
     Free memory less the gradients the backward allocates beside the activations and a margin, over
     `activation_bytes_per_token`. A step whose longest row, or whose optimizer update, does not fit raises
-    `MemoryPlanError` naming what to change.
+    `MemoryPlanError` naming what to change: the knobs every trainer has, then the engine's own `hints`;
+    `when` says at which point it was found.
     """
     per_token = activation_bytes_per_token(config, training=training, checkpointing=checkpointing,
                                            compute_itemsize=compute_itemsize)
@@ -130,11 +133,27 @@ def gpu_token_budget(config, device: torch.device, longest: int, *, training: bo
     if tokens < longest or free < update + margin:
         what = (f"rows of {longest} tokens need about {(longest * per_token + grads) / GiB:.1f} GiB"
                 if tokens < longest else f"the optimizer's update needs {update / GiB:.1f} GiB")
+        knobs = ["set train.options.gradient_checkpointing=true",
+                 "shorten the rows (rollout.max_tokens, data.max_prompt_len)",
+                 "give the rollout engine less memory (rollout.options: gpu_memory_utilization for vllm, "
+                 "mem_fraction_static for sglang)", "train in bfloat16 (model.dtype=bfloat16)",
+                 "move the optimizer off the device during rollout (switch.offload=optimizer,grads)", *hints]
         raise MemoryPlanError(
-            f"a {'train step' if training else 'forward'} does not fit: {what} beyond the state held, and "
-            f"{free / GiB:.1f} GiB of device memory are free. Set train.options.gradient_checkpointing=true, "
-            f"shorten the rows (rollout.max_tokens, data.max_prompt_len), give the rollout engine less memory "
-            f"(rollout.options: gpu_memory_utilization for vllm, mem_fraction_static for sglang), train in "
-            f"bfloat16 (model.dtype=bfloat16), or move the optimizer off the device during rollout "
-            f"(switch.offload=optimizer,grads)")
+            f"a {'train step' if training else 'forward'} does not fit{when}: {what} beyond the state held, and "
+            f"{free / GiB:.1f} GiB of device memory are free. To change: " + "; ".join(knobs))
     return int(min(tokens, MAX_AUTO_TOKENS))
+
+
+def check_train_fits(engine, longest: int) -> None:
+    """Before anything else takes device memory: raise `MemoryPlanError` if even one train step of `engine` (a
+    `ModuleTrainEngine` on a GPU) over rows of `longest` tokens cannot fit beside the state it holds, so that a
+    run which can never train fails at start, naming what to change, not in its first step (or in the rollout
+    engine's start, short of the memory the trainer took). The same test as the step's own token budget, made
+    while the device holds the most it will ever have free for training. Nothing on a CPU."""
+    device = getattr(engine, "device", None)
+    if device is None or device.type != "cuda" or not hasattr(engine, "step_bytes"):
+        return
+    gpu_token_budget(engine.hf_model.config, device, longest, training=True,
+                     checkpointing=engine.options.gradient_checkpointing,
+                     compute_itemsize=engine.compute_dtype.itemsize, step_bytes=engine.step_bytes(),
+                     hints=getattr(engine, "memory_hints", ()), when=" (found at start, before the rollout engine took any memory)")

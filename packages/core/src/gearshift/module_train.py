@@ -47,6 +47,9 @@ from .weights import Adapter, ParamSpec, WeightSpec
 class ModuleTrainEngine(TrainEngine):
     """AdamW over a Hugging Face causal LM held as a torch module, laid over the mesh by its `Sharding`."""
 
+    #: what a step too large for the device can change in this engine's own options (`memory.MemoryPlanError`)
+    memory_hints: tuple[str, ...] = ()
+
     @dataclass(frozen=True)
     class Options:
         device: str | None = option(None, "device to train on (None: this rank's GPU if there is one, else the CPU)")
@@ -219,7 +222,7 @@ class ModuleTrainEngine(TrainEngine):
         return memory.gpu_token_budget(
             self.hf_model.config, self.device, int(batch.lengths.max()), training=training,
             checkpointing=self.options.gradient_checkpointing, compute_itemsize=self.compute_dtype.itemsize,
-            step_bytes=self.step_bytes() if training else (0, 0))
+            step_bytes=self.step_bytes() if training else (0, 0), hints=self.memory_hints)
 
     def step_bytes(self) -> tuple[int, int]:
         """Device bytes a train step allocates beyond its activations and the state held now: the gradients

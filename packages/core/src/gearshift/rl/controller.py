@@ -27,6 +27,7 @@ from .engines import (
 )
 from ..containment import heap_frozen
 from ..hybrid import HybridActor
+from ..memory import check_train_fits
 from ..profiler import device_used_bytes, step_peak_bytes
 from .agent import Agent, episode_metrics
 from .learner import Learner, check_algorithm
@@ -85,6 +86,8 @@ class Controller:
             data.bind(self.tokenizer, max_prompt_len=cfg.data.max_prompt_len, tools=tools)
         self.plot_path: Path | None = None  # the reward curve, once drawn
         self.policy = build_policy(cfg, self.model_path)
+        # a policy that cannot train even with the device to itself fails now, before the rollout engine starts
+        check_train_fits(self.policy, cfg.data.max_prompt_len + cfg.rollout.max_tokens)
         self.scorer = Scorer(cfg, self.tokenizer, reward, self._reward_model() if cfg.reward.model else None)
         rollout = build_rollout(cfg, self.model_path)
         if self.agent is not None:
