@@ -257,5 +257,7 @@ def test_a_policy_that_cannot_train_with_the_device_to_itself_fails_at_start_nam
     monkeypatch.setattr(engine, "step_bytes", lambda: (GiB, 27 * GiB))
     monkeypatch.setattr(engine, "memory_hints", ("partition over more GPUs (train.mesh)",))
     with pytest.raises(MemoryPlanError, match=r"does not fit \(found at start.*update needs 27.0 GiB.*30.0 GiB of "
-                                              r"device memory are free.*partition over more GPUs \(train.mesh\)"):
+                                              r"device memory are free.*partition over more GPUs \(train.mesh\)") as err:
         memory.check_train_fits(engine, 40)
+    # only what can help: no rollout engine exists yet, and shorter rows do not shrink the optimizer's update
+    assert not any(k in str(err.value) for k in ("gpu_memory_utilization", "switch.offload", "max_tokens"))

@@ -111,14 +111,15 @@ def plan_offload(need: int, free: int, sizes: dict[str, int]) -> OffloadPlan:
 
 def gpu_token_budget(config, device: torch.device, longest: int, *, training: bool, checkpointing: bool,
                      compute_itemsize: int, step_bytes: tuple[int, int], hints: Sequence[str] = (),
-                     when: str = "") -> int:
+                     at_start: bool = False) -> int:
     """Tokens per micro-batch that fit on `device` now, for a model of `config` whose longest row is `longest`
     tokens; `step_bytes` the gradients and the optimizer's update (`ModuleTrainEngine.step_bytes`).
 
     Free memory less the gradients the backward allocates beside the activations and a margin, over
     `activation_bytes_per_token`. A step whose longest row, or whose optimizer update, does not fit raises
-    `MemoryPlanError` naming what to change: the knobs every trainer has, then the engine's own `hints`;
-    `when` says at which point it was found.
+    `MemoryPlanError` naming what can change that: the knobs every trainer has, then the engine's own `hints`.
+    `at_start`: asked before the rollout engine exists (`check_train_fits`), so the knobs of its memory and of
+    what moves at a switch cannot help and go unnamed.
     """
     per_token = activation_bytes_per_token(config, training=training, checkpointing=checkpointing,
                                            compute_itemsize=compute_itemsize)
@@ -131,15 +132,19 @@ def gpu_token_budget(config, device: torch.device, longest: int, *, training: bo
     grads, update = step_bytes
     tokens = (free - grads - margin) // per_token
     if tokens < longest or free < update + margin:
+        rows = tokens < longest
         what = (f"rows of {longest} tokens need about {(longest * per_token + grads) / GiB:.1f} GiB"
-                if tokens < longest else f"the optimizer's update needs {update / GiB:.1f} GiB")
+                if rows else f"the optimizer's update needs {update / GiB:.1f} GiB")
         knobs = ["set train.options.gradient_checkpointing=true",
-                 "shorten the rows (rollout.max_tokens, data.max_prompt_len)",
-                 "give the rollout engine less memory (rollout.options: gpu_memory_utilization for vllm, "
-                 "mem_fraction_static for sglang)", "train in bfloat16 (model.dtype=bfloat16)",
-                 "move the optimizer off the device during rollout (switch.offload=optimizer,grads)", *hints]
+                 "shorten the rows (rollout.max_tokens, data.max_prompt_len)"] if rows else []
+        if not at_start:
+            knobs += ["give the rollout engine less memory (rollout.options: gpu_memory_utilization for vllm, "
+                      "mem_fraction_static for sglang)",
+                      "move the optimizer off the device during rollout (switch.offload=optimizer,grads)"]
+        knobs += ["train in bfloat16 (model.dtype=bfloat16)", *hints]
+        where = " (found at start, before the rollout engine took any memory)" if at_start else ""
         raise MemoryPlanError(
-            f"a {'train step' if training else 'forward'} does not fit{when}: {what} beyond the state held, and "
+            f"a {'train step' if training else 'forward'} does not fit{where}: {what} beyond the state held, and "
             f"{free / GiB:.1f} GiB of device memory are free. To change: " + "; ".join(knobs))
     return int(min(tokens, MAX_AUTO_TOKENS))
 
@@ -156,4 +161,4 @@ def check_train_fits(engine, longest: int) -> None:
     gpu_token_budget(engine.hf_model.config, device, longest, training=True,
                      checkpointing=engine.options.gradient_checkpointing,
                      compute_itemsize=engine.compute_dtype.itemsize, step_bytes=engine.step_bytes(),
-                     hints=getattr(engine, "memory_hints", ()), when=" (found at start, before the rollout engine took any memory)")
+                     hints=getattr(engine, "memory_hints", ()), at_start=True)
