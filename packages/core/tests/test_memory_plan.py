@@ -261,3 +261,8 @@ def test_a_policy_that_cannot_train_with_the_device_to_itself_fails_at_start_nam
         memory.check_train_fits(engine, 40)
     # only what can help: no rollout engine exists yet, and shorter rows do not shrink the optimizer's update
     assert not any(k in str(err.value) for k in ("gpu_memory_utilization", "switch.offload", "max_tokens"))
+    assert "model.dtype=bfloat16" in str(err.value)  # float32 weights here
+    engine.dtype = torch.bfloat16
+    with pytest.raises(MemoryPlanError) as err:
+        memory.check_train_fits(engine, 40)
+    assert "model.dtype=bfloat16" not in str(err.value)  # bfloat16 already

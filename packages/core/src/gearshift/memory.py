@@ -111,7 +111,7 @@ def plan_offload(need: int, free: int, sizes: dict[str, int]) -> OffloadPlan:
 
 def gpu_token_budget(config, device: torch.device, longest: int, *, training: bool, checkpointing: bool,
                      compute_itemsize: int, step_bytes: tuple[int, int], hints: Sequence[str] = (),
-                     at_start: bool = False) -> int:
+                     at_start: bool = False, bf16: bool = False) -> int:
     """Tokens per micro-batch that fit on `device` now, for a model of `config` whose longest row is `longest`
     tokens; `step_bytes` the gradients and the optimizer's update (`ModuleTrainEngine.step_bytes`).
 
@@ -119,7 +119,7 @@ def gpu_token_budget(config, device: torch.device, longest: int, *, training: bo
     `activation_bytes_per_token`. A step whose longest row, or whose optimizer update, does not fit raises
     `MemoryPlanError` naming what can change that: the knobs every trainer has, then the engine's own `hints`.
     `at_start`: asked before the rollout engine exists (`check_train_fits`), so the knobs of its memory and of
-    what moves at a switch cannot help and go unnamed.
+    what moves at a switch cannot help and go unnamed; `bf16`: the weights are bfloat16 already.
     """
     per_token = activation_bytes_per_token(config, training=training, checkpointing=checkpointing,
                                            compute_itemsize=compute_itemsize)
@@ -141,7 +141,8 @@ def gpu_token_budget(config, device: torch.device, longest: int, *, training: bo
             knobs += ["give the rollout engine less memory (rollout.options: gpu_memory_utilization for vllm, "
                       "mem_fraction_static for sglang)",
                       "move the optimizer off the device during rollout (switch.offload=optimizer,grads)"]
-        knobs += ["train in bfloat16 (model.dtype=bfloat16)", *hints]
+        knobs += [] if bf16 else ["train in bfloat16 (model.dtype=bfloat16)"]
+        knobs += hints
         where = " (found at start, before the rollout engine took any memory)" if at_start else ""
         raise MemoryPlanError(
             f"a {'train step' if training else 'forward'} does not fit{where}: {what} beyond the state held, and "
@@ -161,4 +162,5 @@ def check_train_fits(engine, longest: int) -> None:
     gpu_token_budget(engine.hf_model.config, device, longest, training=True,
                      checkpointing=engine.options.gradient_checkpointing,
                      compute_itemsize=engine.compute_dtype.itemsize, step_bytes=engine.step_bytes(),
-                     hints=getattr(engine, "memory_hints", ()), at_start=True)
+                     hints=getattr(engine, "memory_hints", ()), at_start=True,
+                     bf16=getattr(engine, "dtype", None) == torch.bfloat16)
