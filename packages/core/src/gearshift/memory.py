@@ -150,17 +150,23 @@ def gpu_token_budget(config, device: torch.device, longest: int, *, training: bo
     return int(min(tokens, MAX_AUTO_TOKENS))
 
 
+def engine_token_budget(engine, longest: int, *, training: bool, at_start: bool = False) -> int:
+    """`gpu_token_budget` for `engine`, a `ModuleTrainEngine` on a GPU: its model's shape, activation
+    recomputation, compute dtype, step (`step_bytes`, when `training`) and `memory_hints`."""
+    return gpu_token_budget(engine.hf_model.config, engine.device, longest, training=training,
+                            checkpointing=engine.options.gradient_checkpointing,
+                            compute_itemsize=engine.compute_dtype.itemsize,
+                            step_bytes=engine.step_bytes() if training else (0, 0), hints=engine.memory_hints,
+                            at_start=at_start, bf16=engine.dtype == torch.bfloat16)
+
+
 def check_train_fits(engine, longest: int) -> None:
     """Before anything else takes device memory: raise `MemoryPlanError` if even one train step of `engine` (a
     `ModuleTrainEngine` on a GPU) over rows of `longest` tokens cannot fit beside the state it holds, so that a
     run which can never train fails at start, naming what to change, not in its first step (or in the rollout
     engine's start, short of the memory the trainer took). The same test as the step's own token budget, made
-    while the device holds the most it will ever have free for training. Nothing on a CPU."""
+    while the device holds the most it will ever have free for training. Nothing on a CPU, or for a train
+    engine of another kind (a `ModuleTrainEngine` has `memory_hints`; module_train imports this module)."""
     device = getattr(engine, "device", None)
-    if device is None or device.type != "cuda" or not hasattr(engine, "step_bytes"):
-        return
-    gpu_token_budget(engine.hf_model.config, device, longest, training=True,
-                     checkpointing=engine.options.gradient_checkpointing,
-                     compute_itemsize=engine.compute_dtype.itemsize, step_bytes=engine.step_bytes(),
-                     hints=getattr(engine, "memory_hints", ()), at_start=True,
-                     bf16=getattr(engine, "dtype", None) == torch.bfloat16)
+    if hasattr(engine, "memory_hints") and device is not None and device.type == "cuda":
+        engine_token_budget(engine, longest, training=True, at_start=True)

@@ -219,10 +219,7 @@ class ModuleTrainEngine(TrainEngine):
 
         if self.device.type != "cuda":  # rows packed by length: less padding computed (memory.py says why)
             return memory.CPU_TOKENS_PER_MICRO_BATCH
-        return memory.gpu_token_budget(
-            self.hf_model.config, self.device, int(batch.lengths.max()), training=training, hints=self.memory_hints,
-            checkpointing=self.options.gradient_checkpointing, compute_itemsize=self.compute_dtype.itemsize,
-            step_bytes=self.step_bytes() if training else (0, 0), bf16=self.dtype == torch.bfloat16)
+        return memory.engine_token_budget(self, int(batch.lengths.max()), training=training)
 
     def step_bytes(self) -> tuple[int, int]:
         """Device bytes a train step allocates beyond its activations and the state held now: the gradients
