@@ -95,3 +95,22 @@ def test_the_table_of_every_cell_takes_the_latest_run_of_a_cell_on_each_device(t
     text = table.table(last)
     assert "| 2026-12-05 | H100 | 7b-256-fsdp-auto | vllm | 2 (budget) | 10.00 |" in text
     assert "| 2026-12-03 | H200 | 7b-256-fsdp-auto | vllm | 3 | 10.00 | 4.00 | 6.00 |" in text
+
+
+def test_the_missing_cells_are_those_of_the_matrix_no_vllm_run_has_finished_to_step_20(tmp_path):
+    spec = importlib.util.spec_from_file_location("scenario_table", SCRIPT.parent / "scenario_table.py")
+    table = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(table)
+    base = {"date": "2026-12-05", "device": "h100"}
+    rows = [{**base, "cell": "7b-256-fsdp-auto", "steps": 20, "exit": 0},
+            {**base, "cell": "7b-1024-fsdp-auto", "steps": 19, "exit": 124},
+            {**base, "cell": "0.5b-256-fsdp-auto", "steps": 8, "exit": 0},
+            {**base, "cell": "0.5b-256-fsdp-forced", "steps": 20, "exit": 0, "rollout": "sglang"},
+            {**base, "cell": "1.5b-256-fsdp-auto", "steps": 3, "exit": 1},
+            {**base, "cell": "1.5b-256-fsdp-auto", "steps": 20, "exit": 0, "date": "2026-12-06"}]
+    left = dict(table.missing(rows))
+    assert len(table.MATRIX) == 24 and "7b-256-fsdp-auto" not in left and "1.5b-256-fsdp-auto" not in left
+    assert left["7b-1024-fsdp-auto"] == "19 of 20 (budget), 2026-12-05 H100"
+    assert left["0.5b-256-fsdp-auto"].startswith("8 of 20 (fewer asked)")
+    assert left["0.5b-256-fsdp-forced"] == "never run"  # an SGLang run is not the matrix's vLLM cell
+    assert len(left) == 22

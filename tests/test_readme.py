@@ -91,6 +91,7 @@ HOW: dict[str, tuple[str, str]] = {
     "CELLS=7b-256-fsdp-auto,0.5b-1024-fsdp-forced STEPS=20 bash tools/gpu/h200_realistic.sh scenario": (
         "gpu", "tools/gpu/h200_realistic.sh"),
     "python tools/gpu/scenario_table.py": ("run", "7b-256-fsdp-auto"),
+    "python tools/gpu/scenario_table.py --missing": ("run", "cells finished 20 steps"),
     "python3 tools/gpu/check_fits.py --model qwen2-7b": ("help", ""),
     "bash tools/gpu/h200_sglang.sh conformance bench scenario": ("gpu", "tools/gpu/h200_sglang.sh"),
     "tools/gpu/background.sh": ("test", "tests/test_background_jobs.py"

@@ -3,6 +3,7 @@
 
     python3 tools/gpu/scenario_table.py                   the latest run of each cell on each device
     python3 tools/gpu/scenario_table.py --all             every run, oldest first
+    python3 tools/gpu/scenario_table.py --missing         the cells of the scenario's matrix no run has finished
 
 A results folder is named `<date>-<device>[-what]` (2026-12-05-h100-realistic): the date and the device (h100,
 h200) come from it. Each `scenario*.json` in it is what tools/gpu/grpo_scenario.py wrote (`--rollout` and the
@@ -49,6 +50,28 @@ def latest(rows: list[dict]) -> list[dict]:
     return sorted(last.values(), key=lambda r: (r["device"], r["cell"], r.get("rollout", "vllm")))
 
 
+#: the scenario's matrix (issue: every cell to its 20th step with vLLM rollout): model x answer tokens x trainer x offload
+MATRIX = [f"{m}-{t}-{tr}-{o}" for m in ("0.5b", "1.5b", "7b") for t in (256, 1024) for tr in ("fsdp", "deepspeed")
+          for o in ("auto", "forced")]
+
+
+def missing(rows: list[dict], steps: int = 20, rollout: str = "vllm") -> list[tuple[str, str]]:
+    """The matrix's cells no run has finished to `steps` with `rollout`, each with its best run so far."""
+    best: dict[str, dict] = {}
+    for r in rows:
+        if r.get("rollout", "vllm") == rollout and r["steps"] >= best.get(r["cell"], {"steps": -1})["steps"]:
+            best[r["cell"]] = r
+    left = []
+    for cell in MATRIX:
+        r = best.get(cell)
+        if r is None:
+            left.append((cell, "never run"))
+        elif r.get("exit") != 0 or r["steps"] < steps:
+            why = "budget" if r.get("exit") == 124 else "failed" if r.get("exit") else "fewer asked"
+            left.append((cell, f"{r['steps']} of {steps} ({why}), {r['date']} {r['device'].upper()}"))
+    return left
+
+
 def _f(v, spec=".2f", unit=""):
     return "-" if v is None else f"{format(v, spec)}{unit}"
 
@@ -72,9 +95,15 @@ def table(rows: list[dict]) -> str:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--all", action="store_true", help="every run, not only the latest of each cell and device")
+    p.add_argument("--missing", action="store_true", help="the matrix's cells no vLLM run has finished to step 20")
     p.add_argument("--root", default=str(ROOT), help="the results folder")
     args = p.parse_args(argv)
     rows = runs(Path(args.root))
+    if args.missing:
+        left = missing(rows)
+        print(f"{len(MATRIX) - len(left)} of {len(MATRIX)} cells finished 20 steps with vLLM rollout; not yet:")
+        print("\n".join(f"  {cell}: {why}" for cell, why in left))
+        return 0
     print(table(rows if args.all else latest(rows)))
     return 0
 
