@@ -7,7 +7,9 @@
         --rollout-options '{"dtype": "bfloat16"}' --offload optimizer,grads     # the offload beside SGLang
 
 Prints rank 0's switch report, the allocator's settings, and the operators sorted by host time and by device
-time. A tool, not a test.
+time; on a GPU also the process's CPU affinity and a plain device-to-pinned-host copy's rate, before the rollout
+engine is built and after (does the engine's start change how fast this process copies to host memory?). A tool,
+not a test.
 """
 
 from __future__ import annotations
@@ -23,6 +25,26 @@ from gearshift.hybrid import HybridActor
 from gearshift.models import resolve_model
 
 
+def host_copy(label: str, mb: int = 512) -> None:
+    """This process's CPU affinity and the rate of one device -> pinned host copy of `mb` MiB (best of 3)."""
+    cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+    line = f"[{label}] CPU affinity: {len(cpus)} CPUs ({cpus[0] if cpus else '-'}..{cpus[-1] if cpus else '-'})"
+    if torch.cuda.is_available():
+        src = torch.empty(mb << 20, dtype=torch.uint8, device="cuda")
+        dst = torch.empty(mb << 20, dtype=torch.uint8, pin_memory=True)
+        best = float("inf")
+        for _ in range(3):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            dst.copy_(src, non_blocking=True)
+            end.record()
+            end.synchronize()
+            best = min(best, start.elapsed_time(end) / 1e3)
+        line += f"; device -> pinned host {mb} MiB at {(mb << 20) / best / 1e9:.1f} GB/s"
+        del src, dst
+    print(line, flush=True)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="qwen2-0.5b")
@@ -36,7 +58,9 @@ def main() -> None:
     gdist.init()
     path = resolve_model(args.model)
     train = registry.create("train", args.train, model=path, **json.loads(args.train_options))
+    host_copy("before the rollout engine")
     rollout = registry.create("rollout", args.rollout, model=path, **json.loads(args.rollout_options))
+    host_copy("after the rollout engine")
     actor = HybridActor(train, rollout, offload=[t for t in args.offload.split(",") if t])
     for _ in range(3):
         actor.to_rollout()
