@@ -9,6 +9,7 @@
 #   CELLS=... STEPS=20 bash tools/gpu/h200_realistic.sh scenario
 #                                                    GRPO cells of tools/gpu/grpo_scenario.py, 32 prompts x 8
 #   bash tools/gpu/h200_realistic.sh conformance     fsdp and deepspeed with vllm and hf in bf16, default tolerances
+#   bash tools/gpu/h200_realistic.sh moe             the suite for tiny mixtures of experts with vllm and sglang (PAIRS)
 #   bash tools/gpu/h200_realistic.sh rollout         vLLM alone at the scenario's batch (ROLLOUT_VARIANTS: engine
 #                                                    options to compare, ';'-separated, e.g. '{"request_seeds": false}')
 #   bash tools/gpu/h200_realistic.sh rollout-profile tools/gpu/profile_rollout.py: where vLLM's rollout time goes
@@ -43,6 +44,16 @@ EOF
       timeout "${CONF_LIMIT:-320}" python3 -m gearshift conformance --train "$t" --rollout "$r" --model qwen2-0.5b \
         --train-options "$opts" --rollout-options "$bf16" -- -rfE -p no:logging 2>&1 | quiet \
         | tee "$out/conformance-${t}-${r}.log" | grep -E "passed|failed|FAILED|Error" | tail -6
+    done ;;
+  moe)
+    # mixtures of experts (tiny qwen3_moe and mixtral, fp32): the experts reach vLLM and SGLang in the form the
+    # model folder stores them (gearshift.stored); the CPU engines refuse them, so this is where they are checked
+    for pair in ${PAIRS:-fsdp/vllm fsdp/sglang}; do
+      for arch in qwen3_moe mixtral; do
+        timeout "${CONF_LIMIT:-300}" python3 -m gearshift conformance --train "${pair%/*}" --rollout "${pair#*/}" \
+          --model "tiny-$arch" -- -rfE -p no:logging 2>&1 | quiet | tee "$out/conformance-moe-$arch-${pair/\//-}.log" \
+          | grep -E "passed|failed|FAILED|Error" | tail -6
+      done
     done ;;
   profile)
     timeout 150 python3 tools/gpu/profile_sync.py --model qwen2-0.5b --train fsdp --rollout vllm \

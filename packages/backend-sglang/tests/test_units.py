@@ -372,3 +372,17 @@ def test_the_updates_flush_runs_between_issuing_the_copies_and_waiting_for_them(
     with pytest.raises(RuntimeError, match="not flushed"):
         load._apply(plan, loader_allowed=True, while_copying=refused)
     assert events == ["copy", "flush", "wait"]
+
+
+def test_a_mixture_of_experts_is_refused_on_a_cpu_before_sglang_is_imported(tmp_path):
+    import pytest
+    import torch
+
+    from gearshift import registry
+    from gearshift.models import build_model
+
+    if torch.cuda.is_available():
+        pytest.skip("the refusal is the CPU engine's")
+    model = build_model(tmp_path / "mixtral", preset="tiny", arch="mixtral")
+    with pytest.raises(ValueError, match=r"mixture-of-experts model \(4 experts a layer\).*rollout.backend=hf"):
+        registry.create("rollout", "sglang", model=model, cache_dir=str(tmp_path / "cache"))

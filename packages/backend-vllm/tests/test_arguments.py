@@ -128,3 +128,17 @@ def test_working_them_out_imports_no_vllm():
             "assert 'vllm' not in sys.modules, sorted(m for m in sys.modules if m.startswith('vllm'))")
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr
+
+
+def test_a_mixture_of_experts_is_refused_on_a_cpu_and_taken_on_a_gpu():
+    from types import SimpleNamespace
+
+    from transformers import MixtralConfig, Qwen2Config
+
+    from gearshift_vllm.arguments import check_experts_on_cpu
+
+    vllm = SimpleNamespace(__version__="0.x")
+    with pytest.raises(ValueError, match=r"mixture-of-experts model \(8 experts a layer\).*rollout.backend=hf"):
+        check_experts_on_cpu(vllm, MixtralConfig(num_local_experts=8), on_gpu=False)
+    check_experts_on_cpu(vllm, MixtralConfig(num_local_experts=8), on_gpu=True)
+    check_experts_on_cpu(vllm, Qwen2Config(), on_gpu=False)

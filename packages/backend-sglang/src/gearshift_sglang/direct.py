@@ -41,6 +41,7 @@ from typing import Callable
 import torch
 
 from gearshift.landing import checkpoint_tensors, fused_modules, landing_views, load_units, verified_landing
+from gearshift.stored import StoredLayout, stored_layout
 from gearshift.weights import WeightSpec, copy_weights_
 
 
@@ -76,6 +77,7 @@ class DirectLoad:
 
     def __init__(self, runner) -> None:
         self.runner = runner
+        self.stored = StoredLayout()  # the model folder's form of weights transformers holds otherwise (map)
         self.landing: dict[str, tuple[torch.Tensor, ...]] = {}
         #: (module, leaf, parameter, data pointer) of every parameter a view points into, as found at start
         self.owners: list[tuple[torch.nn.Module, str, torch.Tensor, int]] = []
@@ -97,6 +99,7 @@ class DirectLoad:
         """Find and verify every weight's view against the checkpoint in folder `checkpoint`; the landed names."""
         model = self.runner.model
         reason = self._refusal(model)
+        self.stored = stored_layout(checkpoint)  # SGLang's loader takes the folder's names (gearshift.stored)
         self.landing, self.owners = {}, []
         if reason is None:
             names = list(spec.names()) + list(spec.aliases)
@@ -209,7 +212,8 @@ class DirectLoad:
         if not allowed:
             raise RuntimeError(f"gearshift: {len(named)} weights of this bucket go through SGLang's loader, "
                                f"which must run between begin_weight_update() and end_weight_update()")
-        ok, message = self.runner.weight_updater.update_weights_from_tensor(named_tensors=named, load_format=None)
+        ok, message = self.runner.weight_updater.update_weights_from_tensor(
+            named_tensors=list(self.stored.to_stored(named)), load_format=None)
         if not ok:
             raise RuntimeError(message)
 

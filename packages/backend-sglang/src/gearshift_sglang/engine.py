@@ -44,8 +44,9 @@ import psutil
 import torch
 
 from gearshift import dist as gdist
-from gearshift.hf import weight_spec_of
+from gearshift.hf import routed_experts, weight_spec_of
 from gearshift.rollout import ROLLOUT_TAGS, Rollout, RolloutArgs, RolloutEngine, RolloutError, SamplingParams
+from gearshift.stored import stored_layout
 from gearshift.weights import WeightBucket, WeightError, WeightSpec
 
 from .arguments import SGLangOptions, engine_arguments
@@ -126,8 +127,16 @@ class SGLangRolloutEngine(RolloutEngine):
         from transformers import AutoConfig
 
         config = AutoConfig.from_pretrained(self.model_path)
+        if routed_experts(config) and not self.on_gpu:
+            raise ValueError(
+                f"SGLang's CPU engine does not compute this mixture-of-experts model ({routed_experts(config)} "
+                f"experts a layer) as transformers does: its logprobs differ before any update. On a CPU pick "
+                f"rollout.backend=hf for this model")
         self._vocab_size = int(config.vocab_size)
         self._spec = weight_spec_of(self.model_path, self.mesh, self.dtype)
+        #: weights the model folder stores otherwise than transformers holds them (experts one by one):
+        #: SGLang's loader takes the folder's form
+        self._stored = stored_layout(self.model_path)
         kwargs = self._arguments(config)
 
         self._env = {**cache_environment(self.cache_dir), **(gpu_environment() if self.on_gpu else cpu_environment())}
@@ -440,7 +449,7 @@ class SGLangRolloutEngine(RolloutEngine):
                     self._flush()
 
     def _load(self, tensors: dict[str, torch.Tensor], applied: int) -> None:
-        self._refused(*self._load_flattened(self._flat.pack(tensors)), applied)
+        self._refused(*self._load_flattened(self._flat.pack(dict(self._stored.to_stored(tensors.items())))), applied)
 
     @staticmethod
     def _refused(ok: bool, message: str, applied: int) -> None:
@@ -472,7 +481,7 @@ class SGLangRolloutEngine(RolloutEngine):
             for bucket in buckets:
                 tensors = self._spec.check(bucket.tensors, self.rank)
                 if tensors:
-                    named = [(n, t.to(self.device, self.dtype)) for n, t in tensors.items()]
+                    named = [(n, t.to(self.device, self.dtype)) for n, t in self._stored.to_stored(tensors.items())]
                     self._answer("update_weights_from_tensor",
                                  self._engine.update_weights_from_tensor(named, flush_cache=False))
                 loaded += bucket.nbytes

@@ -14,7 +14,7 @@ from typing import Any, Sequence
 
 import torch
 
-from gearshift.hf import kv_bytes_per_token as plain_kv_bytes_per_token
+from gearshift.hf import kv_bytes_per_token as plain_kv_bytes_per_token, routed_experts
 from gearshift.options import option
 from gearshift.rollout import RolloutArgs, RolloutError, kv_tokens_for_batch
 
@@ -182,6 +182,19 @@ def check_architecture(vllm, config) -> None:
             f"vLLM {vllm.__version__} has no implementation of its own for {archs or 'this model'} (it would run "
             f"it through its Transformers fallback, which the vllm backend does not support): pick another "
             f"rollout backend for this model, e.g. rollout.backend=hf")
+
+
+def check_experts_on_cpu(vllm, config, on_gpu: bool) -> None:
+    """Refuse, before vLLM starts, a mixture-of-experts model on a CPU: vLLM's CPU kernels pad and repack the
+    experts' weights after loading, and neither `load_weights` nor its own `reload_weights` redoes that (a
+    reload of the model's own folder changes its outputs), so no update could reach the engine intact."""
+    experts = routed_experts(config)
+    if experts and not on_gpu:
+        raise ValueError(
+            f"vLLM {vllm.__version__} on a CPU cannot take weight updates for this mixture-of-experts model "
+            f"({experts} experts a layer): its CPU kernels pad and repack the experts after loading, and an "
+            f"update through its loader (even its own reload_weights of the model's folder) computes other "
+            f"outputs. On a CPU pick rollout.backend=hf for this model; on a GPU the vllm backend takes it")
 
 
 def sleep_allocator_in_use() -> int:

@@ -47,12 +47,13 @@ import torch
 from gearshift import dist as gdist
 from gearshift.hf import weight_spec_of
 from gearshift.landing import checkpoint_tensors, load_units, verified_landing
+from gearshift.stored import stored_layout
 from gearshift.rollout import ROLLOUT_TAGS, Rollout, RolloutArgs, RolloutEngine, RolloutError, SamplingParams
 from gearshift.weights import Adapter, WeightBucket, WeightError, WeightSpec, copy_weights_
 
 from . import worker
-from .arguments import (VLLMOptions, check_architecture, check_sleep_allocator_free, cpu_layout, engine_arguments,
-                        kv_cache_for_batch, lora_ranks)
+from .arguments import (VLLMOptions, check_architecture, check_experts_on_cpu, check_sleep_allocator_free, cpu_layout,
+                        engine_arguments, kv_cache_for_batch, lora_ranks)
 from .cpu_loader import register_plain_loader
 from .groups import LIVE, default_group_if_made_by, forget_dead_groups, shut_down
 from .host import (RngState, cache_paths, call_environment, contained, default_cache_dir, default_threads,
@@ -143,6 +144,7 @@ class VLLMRolloutEngine(RolloutEngine):
                                       kv_for_batch=self._kv_for_batch(config) if self.on_gpu else None,
                                       context=self._context(config))
             check_architecture(vllm, config)
+            check_experts_on_cpu(vllm, config, self.on_gpu)
             if self.on_gpu:
                 check_sleep_allocator_free()
             if self.cpu_weights == "plain":
@@ -176,6 +178,9 @@ class VLLMRolloutEngine(RolloutEngine):
     def _map_weights(self) -> None:
         """Where each weight of the spec goes in vLLM's model: its load unit, the view it is copied into."""
         layout = self._llm.collective_rpc(worker.model_layout)[0]
+        #: weights the model folder stores otherwise than transformers holds them (experts one by one): vLLM's
+        #: loaders take the folder's form
+        self._stored = stored_layout(self.model_path)
         self._units = load_units(self._spec.names(), layout["modules"], layout["packed"])
         unmapped = [n for n, u in self._units.items() if not u]
         if unmapped:
@@ -260,7 +265,7 @@ class VLLMRolloutEngine(RolloutEngine):
     def _reload_packed(self, buckets: Iterable[WeightBucket]) -> int:
         feeder = UnitFeeder(buckets, self._spec, self._units, self.rank)
         with self._calling_vllm():
-            self._llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(feeder)})
+            self._llm.collective_rpc("reload_weights", kwargs={"weights_iterator": self._stored.to_stored(feeder)})
             stale = sorted({m for name in feeder.loaded_names for m in self._tied.get(name, ())})
             if stale:
                 self._llm.collective_rpc(worker.repack_modules, args=(stale,))
@@ -288,7 +293,7 @@ class VLLMRolloutEngine(RolloutEngine):
                     copy_weights_([v for v, _ in into], [t for _, t in into])
                 if rest:
                     with self._calling_vllm():
-                        self._llm.apply_model(lambda model, rest=rest: model.load_weights(iter(rest)))
+                        self._llm.apply_model(lambda model, rest=rest: model.load_weights(self._stored.to_stored(rest)))
                 loaded += bucket.nbytes
                 applied += len(tensors)
                 del tensors, into, rest, bucket
@@ -316,7 +321,7 @@ class VLLMRolloutEngine(RolloutEngine):
         with self._calling_vllm():
             for bucket in buckets:
                 items = list(self._spec.check(bucket.tensors, self.rank).items())
-                self._llm.apply_model(lambda model, items=items: model.load_weights(iter(items)))
+                self._llm.apply_model(lambda model, items=items: model.load_weights(self._stored.to_stored(items)))
                 loaded += bucket.nbytes
         self.reset_cache()
         return loaded

@@ -84,6 +84,18 @@ def weight_spec_of(model_path: str, mesh: MeshSpec, dtype: torch.dtype) -> Weigh
     return WeightSpec(mesh, params, tied_aliases(model))
 
 
+#: config keys giving a mixture-of-experts model's count of routed experts, by architecture family
+EXPERT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
+
+
+def routed_experts(config) -> int:
+    """How many routed experts each mixture-of-experts layer of the model of transformers `config` has (0: a
+    dense model)."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    counts = [getattr(text, k, None) for k in EXPERT_KEYS]
+    return max([int(c) for c in counts if isinstance(c, int)] or [0])
+
+
 def kv_bytes_per_token(config, dtype: torch.dtype, tp: int = 1) -> int:
     """Bytes of keys and values one token takes on one of `tp` ranks in every attention layer of the model
     of transformers `config` (its text model's), at `dtype`."""

@@ -24,6 +24,7 @@ from typing import Iterable, Iterator, Mapping
 
 import torch
 
+from .stored import stored_layout
 from .weights import WeightSpec
 
 #: the fused parameters of Llama-style models, for a model that does not say (SGLang's keep theirs in a list
@@ -130,15 +131,24 @@ def verified_landing(views: Mapping[str, torch.Tensor],
 
 
 def checkpoint_tensors(model_path: str, spec: WeightSpec) -> Iterator[tuple[str, torch.Tensor]]:
-    """(name, tensor) of the folder's safetensors files for the weights of `spec`, one file open at a time."""
+    """(name, tensor) of the folder's safetensors files for the weights of `spec`, one file open at a time, in
+    the form transformers holds them (experts stored one by one come stacked: `gearshift.stored`)."""
+    layout = stored_layout(str(model_path))
+    shapes = {p.name: p.shape for p in spec}
+    wanted = set(shapes) | set(spec.aliases) | layout.stored_names()
+    for name, tensor in layout.from_stored(_stored_tensors(model_path, wanted)):
+        if name in shapes or name in spec.aliases:
+            yield spec.canonical(name), tensor
+
+
+def _stored_tensors(model_path: str, wanted: set[str]) -> Iterator[tuple[str, torch.Tensor]]:
     from safetensors import safe_open
 
-    wanted = set(spec.names()) | set(spec.aliases)
     for f in sorted(Path(model_path).glob("*.safetensors")):
         with safe_open(str(f), framework="pt") as st:
             for key in st.keys():
                 if key in wanted:
-                    yield spec.canonical(key), st.get_tensor(key)
+                    yield key, st.get_tensor(key)
 
 
 __all__ = ["FUSED", "checkpoint_tensors", "fused_modules", "landing_views", "load_units", "verified_landing"]

@@ -9,6 +9,7 @@ import torch
 
 from .. import dist as gdist
 from ..mesh import box_slices
+from ..stored import stored_layout
 from ..weights import WeightBucket, WeightSpec
 
 PROMPTS = [[72, 101, 108, 108, 111], [49, 43, 50, 61], [84, 104, 101, 32, 113, 117, 105, 99, 107]]
@@ -47,13 +48,13 @@ def widen_for_dtype(suite, request, *engines) -> None:
 
 
 def saved_weights(model_path: str) -> dict[str, torch.Tensor]:
-    """Every tensor in the folder's safetensors files, as saved."""
+    """Every tensor in the folder's safetensors files, in the form transformers holds them (`gearshift.stored`)."""
     from safetensors.torch import load_file
 
     state: dict[str, torch.Tensor] = {}
     for f in sorted(Path(model_path).glob("*.safetensors")):
         state.update(load_file(str(f)))
-    return state
+    return dict(stored_layout(str(model_path)).from_stored(state.items()))
 
 
 def reference_weights(model_path: str, spec: WeightSpec, rank: int | None = None) -> dict[str, torch.Tensor]:

@@ -121,6 +121,12 @@ ARCHS: dict[str, tuple[str, object]] = {
                                               sliding_window=256)),
     "gemma3": ("Gemma3TextConfig", lambda s: dict(s, rms_norm_eps=1e-6, query_pre_attn_scalar=s["head_dim"],
                                                   sliding_window=256)),
+    # mixtures of experts: transformers holds each layer's experts stacked in one tensor and the folder stores
+    # them one by one (see gearshift.stored); Mixtral's `block_sparse_moe` is also renamed `mlp` in memory
+    "qwen3_moe": ("Qwen3MoeConfig", lambda s: dict(s, rms_norm_eps=1e-6, num_experts=4, num_experts_per_tok=2,
+                                                   moe_intermediate_size=s["intermediate_size"] // 2,
+                                                   decoder_sparse_step=1, norm_topk_prob=True)),
+    "mixtral": ("MixtralConfig", lambda s: dict(s, rms_norm_eps=1e-6, num_local_experts=4, num_experts_per_tok=2)),
     "phi3": ("Phi3Config", lambda s: dict(_without(s, "head_dim"),
                                           original_max_position_embeddings=s["max_position_embeddings"])),
     "phi": ("PhiConfig", lambda s: dict(_without(s, "head_dim"), partial_rotary_factor=0.5)),

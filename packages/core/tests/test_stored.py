@@ -1,0 +1,69 @@
+"""Weights stored otherwise than transformers holds them: mixture-of-experts layers (gearshift.stored)."""
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from gearshift.hf import routed_experts, weight_spec_of
+from gearshift.landing import checkpoint_tensors
+from gearshift.mesh import MeshSpec
+from gearshift.models import build_model
+from gearshift.stored import StoredLayoutError, _pieces, stored_layout
+
+
+@pytest.fixture(scope="module", params=["qwen3_moe", "mixtral"])
+def moe(request, tmp_path_factory):
+    return build_model(tmp_path_factory.mktemp(request.param), preset="tiny", arch=request.param)
+
+
+def _held(path):
+    from transformers import AutoModelForCausalLM
+
+    return dict(AutoModelForCausalLM.from_pretrained(path).named_parameters())
+
+
+def test_a_dense_model_is_stored_as_it_is_held(tmp_path):
+    assert stored_layout(build_model(tmp_path / "qwen2", preset="tiny")).plain
+
+
+def test_experts_stored_one_by_one_are_held_stacked_and_cut_back_into_views(moe):
+    layout = stored_layout(moe)
+    held, disk = _held(moe), load_file(f"{moe}/model.safetensors")
+    stacked = [n for n in layout.pieces if n.endswith("experts.gate_up_proj")]
+    assert len(stacked) == 2 and all(len(layout.pieces[n]) == 2 * 4 for n in stacked)  # 2 layers, gate + up x 4
+    # the folder's tensors assembled: exactly what transformers loaded
+    assembled = dict(layout.from_stored(disk.items()))
+    assert all(torch.equal(assembled[n], p.detach()) for n, p in held.items())
+    # the held tensors cut: exactly the folder's, as views of the held storage (no copy)
+    cut = dict(layout.to_stored((n, p.detach()) for n, p in held.items()))
+    assert set(disk) <= set(cut) and all(torch.equal(cut[k], disk[k]) for k in disk)
+    gate = next(k for k in layout.pieces[stacked[0]]).key
+    assert cut[gate].untyped_storage().data_ptr() == held[stacked[0]].untyped_storage().data_ptr()
+
+
+def test_a_folder_read_for_the_engines_gives_the_spec_names_and_shapes(moe):
+    spec = weight_spec_of(moe, MeshSpec(), torch.float32)
+    read = dict(checkpoint_tensors(moe, spec))
+    assert set(read) == set(spec.names())
+    assert all(tuple(read[p.name].shape) == tuple(p.shape) for p in spec)
+
+
+def test_routed_experts_counts_each_familys_key(moe, tmp_path):
+    from transformers import AutoConfig
+
+    assert routed_experts(AutoConfig.from_pretrained(moe)) == 4
+    assert routed_experts(AutoConfig.from_pretrained(build_model(tmp_path / "dense", preset="tiny"))) == 0
+
+
+def test_a_rule_other_than_stacking_and_concatenating_is_refused_naming_the_weights():
+    transpose = SimpleNamespace(operations=[type("Transpose", (), {})()])
+    members = [(f"experts.{e}.w.weight", 0, e) for e in range(2)]
+    shapes = {k: (4, 8) for k, _, _ in members}
+    with pytest.raises(StoredLayoutError, match=r"'experts.w'.*\['Transpose'\].*rollout.backend=hf"):
+        _pieces("experts.w", transpose, members, shapes, {"experts.w": torch.empty(2, 4, 8, device="meta")})
+    stack = SimpleNamespace(operations=[type("MergeModulelist", (), {"dim": 0})()])
+    with pytest.raises(StoredLayoutError, match="tile"):  # an expert missing: the pieces would not fill it
+        _pieces("experts.w", stack, members[:1], shapes, {"experts.w": torch.empty(2, 4, 8, device="meta")})
+    assert len(_pieces("experts.w", stack, members, shapes, {"experts.w": torch.empty(2, 4, 8, device="meta")})) == 2
