@@ -37,7 +37,8 @@ def run_cell(arch: str, pair: str, cache: Path, timeout: int) -> dict:
     except subprocess.TimeoutExpired as err:
         out, code = (err.stdout or "") if isinstance(err.stdout, str) else "", -1
     counts = {k: int(n) for n, k in re.findall(r"(\d+) (passed|failed|xfailed|skipped|errors?)", out)}
-    refused = re.search(r"has no implementation of its own for[^\n]*", out)
+    refused = re.search(r"has no implementation of its own for[^\n]*|cannot take weight updates for this "
+                        r"mixture-of-experts model[^\n]*|does not compute this mixture-of-experts model[^\n]*", out)
     failed = re.findall(r"^(?:FAILED|ERROR) (\S+)", out, re.M)
     return {"arch": arch, "pair": pair, "exit": code, "seconds": round(time.perf_counter() - start, 1),
             "counts": counts, "failed": failed, "refused": refused.group(0) if refused else None,
@@ -46,7 +47,7 @@ def run_cell(arch: str, pair: str, cache: Path, timeout: int) -> dict:
 
 def cell_text(r: dict) -> str:
     if r["refused"]:
-        return "refused (no native vLLM model)"
+        return "refused (mixture of experts on a CPU)" if "mixture" in r["refused"] else "refused (no native vLLM model)"
     if r["exit"] == -1:
         return "timed out"
     c = r["counts"]
