@@ -46,13 +46,16 @@ EOF
         | tee "$out/conformance-${t}-${r}.log" | grep -E "passed|failed|FAILED|Error" | tail -6
     done ;;
   moe)
-    # mixtures of experts (tiny qwen3_moe and mixtral, fp32): the experts reach vLLM and SGLang in the form the
-    # model folder stores them (gearshift.stored); the CPU engines refuse them, so this is where they are checked
+    # mixtures of experts (qwen3_moe and mixtral of the MOE_PRESET shape, 4 experts a layer): the experts reach
+    # vLLM and SGLang in the form the model folder stores them (gearshift.stored); the CPU engines refuse them, so
+    # this is where they are checked. SGLang computes in bf16 only (FlashAttention) and its Qwen3-MoE attention
+    # takes no head of 32 (the tiny preset's): `small` has heads of 64. SGLang's runs need its carry installed.
     for pair in ${PAIRS:-fsdp/vllm fsdp/sglang}; do
+      r=${pair#*/}; opts='{}'; [ "$r" = sglang ] && opts="$bf16"
       for arch in qwen3_moe mixtral; do
-        timeout "${CONF_LIMIT:-300}" python3 -m gearshift conformance --train "${pair%/*}" --rollout "${pair#*/}" \
-          --model "tiny-$arch" -- -rfE -p no:logging 2>&1 | quiet | tee "$out/conformance-moe-$arch-${pair/\//-}.log" \
-          | grep -E "passed|failed|FAILED|Error" | tail -6
+        timeout "${CONF_LIMIT:-300}" python3 -m gearshift conformance --train "${pair%/*}" --rollout "$r" \
+          --model "${MOE_PRESET:-small}-$arch" --rollout-options "$opts" -- -rfE -p no:logging 2>&1 | quiet \
+          | tee "$out/conformance-moe-$arch-${pair/\//-}.log" | grep -E "passed|failed|FAILED|Error" | tail -6
       done
     done ;;
   profile)
