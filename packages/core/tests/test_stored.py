@@ -67,3 +67,27 @@ def test_a_rule_other_than_stacking_and_concatenating_is_refused_naming_the_weig
     with pytest.raises(StoredLayoutError, match="tile"):  # an expert missing: the pieces would not fill it
         _pieces("experts.w", stack, members[:1], shapes, {"experts.w": torch.empty(2, 4, 8, device="meta")})
     assert len(_pieces("experts.w", stack, members, shapes, {"experts.w": torch.empty(2, 4, 8, device="meta")})) == 2
+
+
+def test_stacked_experts_land_in_the_engines_own_stack_only_where_it_holds_the_same():
+    from torch import nn
+
+    from gearshift.landing import FUSED, landing_views, load_units, verified_landing
+
+    experts = nn.Module()
+    experts.routed_experts = nn.Module()  # vLLM 0.32 keeps the stack one level below the layer's module
+    experts.routed_experts.w13_weight = nn.Parameter(torch.randn(2, 8, 4))
+    experts.routed_experts.w2_weight = nn.Parameter(torch.randn(2, 4, 4))
+    model = nn.Module()
+    model.mlp = nn.Module()
+    model.mlp.experts = experts
+    names = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+    units = load_units(names, {n for n, _ in model.named_modules()}, FUSED)
+    assert units == {n: "mlp.experts" for n in names}
+    views = landing_views(model, names, units, FUSED)
+    assert views["mlp.experts.gate_up_proj"].data_ptr() == experts.routed_experts.w13_weight.data_ptr()
+    w13, w2 = experts.routed_experts.w13_weight.detach(), experts.routed_experts.w2_weight.detach()
+    assert set(verified_landing(views, [(names[0], w13.clone()), (names[1], w2.clone())])) == set(names)
+    # an engine that keeps up before gate (or any other order) holds other numbers: that stack goes through its loader
+    swapped = torch.cat([w13[:, 4:], w13[:, :4]], dim=1)
+    assert set(verified_landing(views, [(names[0], swapped), (names[1], w2.clone())])) == {names[1]}

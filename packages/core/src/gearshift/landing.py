@@ -32,6 +32,12 @@ from .weights import WeightSpec
 FUSED = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}
 
 
+#: transformers' stacked experts of a mixture-of-experts layer -> the parameter of the same layout (experts x
+#: rows x columns, gate rows before up rows) that vLLM's and SGLang's fused MoE layers hold, at any depth below
+#: the layer's module (vLLM 0.32 keeps it in a `routed_experts` child)
+EXPERTS = {"gate_up_proj": "w13_weight", "down_proj": "w2_weight"}
+
+
 def fused_modules(model: torch.nn.Module) -> dict[str, list[str]]:
     """The model's `packed_modules_mapping` ({"qkv_proj": ["q_proj", "k_proj", "v_proj"], ...}), else `FUSED`."""
     return dict(getattr(model, "packed_modules_mapping", None) or FUSED)
@@ -67,7 +73,8 @@ def landing_views(model: torch.nn.Module, names: Iterable[str], units: Mapping[s
 
     A weight that the engine fuses (q, k and v into `qkv_proj`; gate and up into `gate_up_proj`)
     lands in rows of the fused parameter, at the offsets its module's
-    `output_partition_sizes` give; a padded vocabulary keeps the checkpoint's rows first.
+    `output_partition_sizes` give; a padded vocabulary keeps the checkpoint's rows first. A
+    mixture-of-experts layer's stacked experts land in the engine's own stack (`EXPERTS`).
     Only unsharded modules (tensor parallel size 1) are mapped: a weight left out is loaded
     through the engine's `load_weights`. A module wrapped to serve LoRA adapters (vLLM's) keeps
     the weight in its `base_layer`. `verified_landing` then keeps only the views that hold
@@ -83,6 +90,9 @@ def landing_views(model: torch.nn.Module, names: Iterable[str], units: Mapping[s
         if unit and f"{unit}.base_layer.{leaf}" in params:  # a LoRA wrapper: the weight is its base layer's
             owner = f"{unit}.base_layer"
         target = params.get(f"{owner}.{leaf}") if owner else None
+        if target is None and owner and leaf in EXPERTS:  # transformers' stacked experts: the engine's own stack
+            target = next((params[n] for n in params if n.startswith(f"{owner}.") and
+                           n.rpartition(".")[2] == EXPERTS[leaf]), None)
         if target is None:
             continue
         module = model.get_submodule(owner)
@@ -151,4 +161,4 @@ def _stored_tensors(model_path: str, wanted: set[str]) -> Iterator[tuple[str, to
                     yield key, st.get_tensor(key)
 
 
-__all__ = ["FUSED", "checkpoint_tensors", "fused_modules", "landing_views", "load_units", "verified_landing"]
+__all__ = ["EXPERTS", "FUSED", "checkpoint_tensors", "fused_modules", "landing_views", "load_units", "verified_landing"]
