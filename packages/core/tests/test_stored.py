@@ -91,3 +91,38 @@ def test_stacked_experts_land_in_the_engines_own_stack_only_where_it_holds_the_s
     # an engine that keeps up before gate (or any other order) holds other numbers: that stack goes through its loader
     swapped = torch.cat([w13[:, 4:], w13[:, :4]], dim=1)
     assert set(verified_landing(views, [(names[0], swapped), (names[1], w2.clone())])) == {names[1]}
+
+
+FAMILIES = {  # more mixture-of-experts families users bring, at tiny shapes
+    "Qwen2MoeConfig": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64,
+                           shared_expert_intermediate_size=64, decoder_sparse_step=1),
+    "OlmoeConfig": dict(num_experts=4, num_experts_per_tok=2),
+    "DeepseekV3Config": dict(n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=64,
+                             first_k_dense_replace=1, n_group=1, topk_group=1, kv_lora_rank=32, q_lora_rank=32,
+                             qk_rope_head_dim=16, qk_nope_head_dim=16, v_head_dim=32, n_shared_experts=1),
+    "GraniteMoeConfig": dict(num_local_experts=4, num_experts_per_tok=2),
+    "PhimoeConfig": dict(num_local_experts=4, num_experts_per_tok=2),
+}
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_other_families_round_trip_between_their_folder_and_memory(family, tmp_path):
+    import transformers
+    from transformers import AutoModelForCausalLM
+
+    from gearshift.models.tiny import build_tokenizer, tiny
+
+    tokenizer = build_tokenizer(tmp_path)
+    config = getattr(transformers, family)(**tiny(), **FAMILIES[family], rms_norm_eps=1e-6,
+                                           eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(str(tmp_path))
+    layout = stored_layout(tmp_path)
+    assert not layout.plain
+    held, disk = _held(str(tmp_path)), load_file(f"{tmp_path}/model.safetensors")
+    assembled = dict(layout.from_stored(disk.items()))
+    assert all(torch.equal(assembled[n], p.detach()) for n, p in held.items())
+    cut = dict(layout.to_stored((n, p.detach()) for n, p in held.items()))
+    # what a trainer sends covers every stored parameter (buffers such as DeepSeek's score bias are not sent)
+    assert all(torch.equal(cut[k], disk[k]) for k in disk if k in cut)
+    assert {k for k in disk if k not in cut} <= {k for k in disk if k.endswith("e_score_correction_bias")}
