@@ -266,3 +266,30 @@ def test_a_policy_that_cannot_train_with_the_device_to_itself_fails_at_start_nam
     with pytest.raises(MemoryPlanError) as err:
         memory.check_train_fits(engine, 40)
     assert "model.dtype=bfloat16" not in str(err.value)  # bfloat16 already
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "mixtral", "qwen3_moe"])
+def test_the_activation_estimate_is_above_what_autograd_keeps_dense_or_mixture_of_experts(arch, tmp_path):
+    """What the forward keeps for backward (every tensor autograd saves that is not a weight), per token, at
+    the `small` shape in float32, against `activation_bytes_per_token`: above it, and not by more than 2.5x."""
+    from transformers import AutoModelForCausalLM
+
+    from gearshift.models import build_model
+
+    model = AutoModelForCausalLM.from_pretrained(build_model(tmp_path / arch, preset="small", arch=arch))
+    model.train()
+    weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    kept: dict[int, int] = {}
+
+    def pack(t):
+        if t.untyped_storage().data_ptr() not in weights:
+            kept[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    tokens = 256
+    ids = torch.randint(0, 300, (1, tokens), generator=torch.Generator().manual_seed(0))
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model(ids).logits.float().log_softmax(-1).gather(-1, ids[..., None]).sum()
+    measured = sum(kept.values()) / tokens
+    estimate = activation_bytes_per_token(model.config, training=True, compute_itemsize=4)
+    assert measured < estimate < 2.5 * measured, (measured, estimate)

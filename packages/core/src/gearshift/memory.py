@@ -13,6 +13,8 @@ from typing import Sequence
 
 import torch
 
+from .hf import routed_experts
+
 GiB = 2**30
 MARGIN = 1.1  # room left beyond what is asked for: allocators round, kernels take workspaces
 
@@ -57,6 +59,21 @@ def release_cached(device: torch.device) -> int:
     return max(int(before - torch.cuda.memory_reserved(device)), 0)
 
 
+def mlp_width(config) -> tuple[int, int]:
+    """(the MLP width one token passes through in a layer, the experts it is routed to): a dense model's
+    `intermediate_size`; in a mixture of experts the routed experts' widths (`num_experts_per_tok` of them) plus
+    the shared experts', or the dense layers' width where that is wider (models that keep some layers dense)."""
+    h = int(config.hidden_size)
+    dense = int(getattr(config, "intermediate_size", None) or 4 * h)
+    if not routed_experts(config):
+        return dense, 0
+    k = int(getattr(config, "num_experts_per_tok", None) or 1)
+    expert = int(getattr(config, "moe_intermediate_size", None) or dense)
+    shared = int(getattr(config, "shared_expert_intermediate_size", None)
+                 or (getattr(config, "n_shared_experts", None) or 0) * expert)
+    return max(dense, k * expert + shared), k
+
+
 def activation_bytes_per_token(config, *, training: bool, checkpointing: bool = False,
                                compute_itemsize: int = 2) -> int:
     """Device bytes one token of a micro-batch takes at its peak in a decoder LM's forward (and backward).
@@ -71,12 +88,14 @@ def activation_bytes_per_token(config, *, training: bool, checkpointing: bool = 
     h = int(config.hidden_size)
     layers = int(config.num_hidden_layers)
     vocab = int(config.vocab_size)
-    ffn = int(getattr(config, "intermediate_size", None) or 4 * h)
+    ffn, routed = mlp_width(config)
     heads = int(getattr(config, "num_attention_heads", 1) or 1)
     head_dim = int(getattr(config, "head_dim", None) or h // heads)
     kv = 2 * int(getattr(config, "num_key_value_heads", None) or heads) * head_dim
     c = compute_itemsize
-    per_layer = c * (12 * h + 3 * kv + 5 * ffn) + 4 * 2 * h  # the norms keep a float32 copy of their input
+    # the norms keep a float32 copy of their input; a token routed to k experts is copied to each and its output
+    # scaled there (about 4 hidden-sized tensors an expert)
+    per_layer = c * (12 * h + 3 * kv + 5 * ffn + 4 * routed * h) + 4 * 2 * h
     # the head's logits, their float32 copy, the log-softmax and entropy kept for backward, and their gradients
     logits = c * vocab + 4 * vocab * (5 if training else 4)
     if not training:
