@@ -127,9 +127,10 @@ class SGLangRolloutEngine(RolloutEngine):
         from transformers import AutoConfig
 
         config = AutoConfig.from_pretrained(self.model_path)
-        if routed_experts(config) and not self.on_gpu:
+        experts = routed_experts(config)
+        if experts and not self.on_gpu:
             raise ValueError(
-                f"SGLang's CPU engine does not compute this mixture-of-experts model ({routed_experts(config)} "
+                f"SGLang's CPU engine does not compute this mixture-of-experts model ({experts} "
                 f"experts a layer) as transformers does: its logprobs differ before any update. On a CPU pick "
                 f"rollout.backend=hf for this model")
         self._vocab_size = int(config.vocab_size)

@@ -47,8 +47,8 @@ import torch
 from gearshift import dist as gdist
 from gearshift.hf import weight_spec_of
 from gearshift.landing import checkpoint_tensors, load_units, verified_landing
-from gearshift.stored import stored_layout
 from gearshift.rollout import ROLLOUT_TAGS, Rollout, RolloutArgs, RolloutEngine, RolloutError, SamplingParams
+from gearshift.stored import stored_layout
 from gearshift.weights import Adapter, WeightBucket, WeightError, WeightSpec, copy_weights_
 
 from . import worker

@@ -144,10 +144,9 @@ def checkpoint_tensors(model_path: str, spec: WeightSpec) -> Iterator[tuple[str,
     """(name, tensor) of the folder's safetensors files for the weights of `spec`, one file open at a time, in
     the form transformers holds them (experts stored one by one come stacked: `gearshift.stored`)."""
     layout = stored_layout(str(model_path))
-    shapes = {p.name: p.shape for p in spec}
-    wanted = set(shapes) | set(spec.aliases) | layout.stored_names()
-    for name, tensor in layout.from_stored(_stored_tensors(model_path, wanted)):
-        if name in shapes or name in spec.aliases:
+    names = set(spec.names()) | set(spec.aliases)
+    for name, tensor in layout.from_stored(_stored_tensors(model_path, names | layout.stored_names())):
+        if name in names:
             yield spec.canonical(name), tensor
 
 
