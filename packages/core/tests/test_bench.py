@@ -72,3 +72,28 @@ def test_a_switch_bench_without_the_naive_round_trip_says_so(gearshift_model, tm
     assert written["naive_over_sync"] is None and written["naive_s"] == 0
     line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("naive resharder"))
     assert "not run (--naive-switches 0)" in line
+
+
+def test_kernel_kinds_and_busy_time():
+    from gearshift.bench.kernels import busy_seconds, kind_of
+
+    assert kind_of("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64") == "matmul"
+    assert kind_of("nvjet_hsh_256x128_64x4_1x2_h_bz_coopA_NNT") == "matmul"
+    assert kind_of("flash_fwd_kernel") == "attention"
+    assert kind_of("ncclDevKernel_AllGather_RING_LL") == "collective"
+    assert kind_of("void at::native::(anonymous namespace)::multi_tensor_apply_kernel<...>") == "optimizer"
+    assert kind_of("Memcpy DtoD (Device -> Device)") == "copy"
+    assert kind_of("void at::native::vectorized_elementwise_kernel<4, at::native::rsqrt_kernel_cuda>") == "other"
+    # overlapping intervals count once, gaps not at all
+    assert busy_seconds([(0.0, 1.0), (0.5, 2.0), (3.0, 4.0), (3.2, 3.4)]) == pytest.approx(3.0)
+    assert busy_seconds([]) == 0.0
+
+
+def test_bench_train_profiles_a_step_in_the_dtype_asked(gearshift_model, capsys):
+    from gearshift.cli import main
+
+    assert main(["bench", "train", "--backends", "torch", "--model", gearshift_model, "--batch-size", "4",
+                 "--seq-len", "16", "--steps", "1", "--dtype", "bfloat16", "--profile"]) == 0
+    out = capsys.readouterr().out
+    assert "operators (own CPU time) with the most time" in out  # no CUDA here: the CPU's operators
+    assert "profiled_s" in out and " bfloat16 " in out

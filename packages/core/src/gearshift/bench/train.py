@@ -10,6 +10,7 @@ from .. import dist as gdist, registry
 from ..options import json_object, positive_int
 from ..profiler import peak_memory_bytes, reset_peak_memory
 from .report import print_rows
+from .kernels import kinds_row, print_top, profile_kinds
 from .timing import median_seconds, resolve_once
 
 
@@ -52,7 +53,8 @@ def step_peak_bytes(fn) -> int:
 
 def measure_train(names: list[str], model: str, batch_size: int = 16, seq_len: int = 64, steps: int = 3,
                   options: dict | None = None, *, min_len: int | None = None, micro_batch_size: int | None = None,
-                  token_budgets: tuple[int, ...] = (0,), meshes: tuple[str, ...] = ("",)) -> list[dict]:
+                  token_budgets: tuple[int, ...] = (0,), meshes: tuple[str, ...] = ("",),
+                  dtype: str | None = None, profile: bool = False) -> list[dict]:
     """Optimizer steps/s and tokens/s of each train backend on the same model and batch, once per token
     budget (0: micro-batches of `micro_batch_size` rows, as wide as the batch; else rows packed by length
     into micro-batches of that many tokens, `max_tokens_per_micro_batch`, with no cap on their rows:
@@ -62,7 +64,8 @@ def measure_train(names: list[str], model: str, batch_size: int = 16, seq_len: i
     engine computed (from its `pad_frac` metric; '-' for an engine that does not report it). Each of
     `meshes` ('' for the default, 'sp=2', 'tp=2', ...) gets its rows, every rank given the whole batch;
     step_peak_mb is what one step allocates beyond what it started with (activations, gradients),
-    measured in an extra step.
+    measured in an extra step. `dtype` is the weights' dtype (None: the engine's default); `profile` runs
+    one more step under torch.profiler and adds where its device time went (`gearshift.bench.kernels`).
     """
     from ..train import nll_loss
 
@@ -75,19 +78,24 @@ def measure_train(names: list[str], model: str, batch_size: int = 16, seq_len: i
         reset_peak_memory()
         engine = registry.create("train", name, model=path, lr=1e-5,
                                  micro_batch_size=None if budget else micro_batch_size,
-                                 max_tokens_per_micro_batch=budget or None, **(options or {}).get(name, {}),
+                                 max_tokens_per_micro_batch=budget or None, **({"dtype": dtype} if dtype else {}),
+                                 **(options or {}).get(name, {}),
                                  **({"mesh": mesh} if mesh else {}))
         metrics = engine.train_step(batch, nll_loss)  # warm-up
         secs = median_seconds(lambda: engine.train_step(batch, nll_loss), steps)
         step_peak = step_peak_bytes(lambda: engine.train_step(batch, nll_loss))
         pad = metrics.get("pad_frac")
+        kinds = profile_kinds(lambda: engine.train_step(batch, nll_loss)) if profile else None
         rows.append({"backend": name, **({"mesh": str(engine.mesh)} if meshes != ("",) else {}),
-                     "model": model, "batch": batch_size, "seq_len": seq_len,
+                     "model": model, "dtype": engine.args.dtype, "batch": batch_size, "seq_len": seq_len,
                      "micro_batch_size": "-" if budget else micro_batch_size or "-", "max_tokens": budget or "-",
                      "micro_batches": int(metrics.get("micro_batches", 0)) or "-",
                      "pad_share": pad if pad is not None else "-",
                      "seconds_per_step": secs, "steps_per_s": 1 / secs, "tokens_per_s": real_tokens / secs,
-                     "peak_gb": peak_memory_bytes() / 1e9, "step_peak_mb": step_peak / 2**20})
+                     "peak_gb": peak_memory_bytes() / 1e9, "step_peak_mb": step_peak / 2**20,
+                     **(kinds_row(kinds) if kinds else {})})
+        if kinds:
+            print_top(f"{name}, {rows[-1]['micro_batches']} micro-batches", kinds)
         engine.close()
     return rows
 
@@ -105,6 +113,10 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
                         "rows; N: rows packed by length into N tokens (--micro-batch-size 8 --seq-len 256 "
                         "--max-tokens-per-micro-batch 0,2048 puts the two under the same memory bound side by side)")
     p.add_argument("--steps", type=positive_int, default=3)
+    p.add_argument("--dtype", default=None, help="the weights' dtype (e.g. bfloat16; default: the engine's)")
+    p.add_argument("--profile", action="store_true",
+                   help="one more step under torch.profiler: the device's busy share and its kernel time by kind "
+                        "(matrix products, attention, optimizer, copies, collectives, the rest), top kernels")
     p.add_argument("--options", type=json_object, default="{}", help="JSON: {backend: {engine options}}")
     p.add_argument("--mesh", action="append", default=None,
                    help="a train mesh to measure (repeat for several, e.g. --mesh dp=2 --mesh sp=2 under torchrun); "
@@ -116,5 +128,6 @@ def bench_train(args: argparse.Namespace) -> int:
     budgets = tuple(int(b) for b in args.max_tokens_per_micro_batch.split(",") if b.strip())
     print_rows(measure_train(names, args.model, args.batch_size, args.seq_len, args.steps, args.options,
                              min_len=args.min_len, micro_batch_size=args.micro_batch_size,
-                             token_budgets=budgets or (0,), meshes=tuple(args.mesh or ("",))))
+                             token_budgets=budgets or (0,), meshes=tuple(args.mesh or ("",)),
+                             dtype=args.dtype, profile=args.profile))
     return 0
