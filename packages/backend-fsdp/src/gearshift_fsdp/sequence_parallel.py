@@ -24,6 +24,7 @@ import itertools
 
 import torch
 import torch.distributed as dist
+from gearshift.logprobs import picked_logprobs
 from gearshift.module_train import position_ids
 from gearshift.train import PolicyOutput, TrainBatch
 from torch import nn
@@ -189,11 +190,13 @@ def forward(model: nn.Module, batch: TrainBatch, sp_mesh, with_entropy: bool, va
         values = gather_length(out, group)[:, :width]
         values = torch.cat([values.new_zeros(values.shape[0], 1), values[:, :-1]], dim=1)
         return PolicyOutput(torch.zeros_like(values), values=values)
-    logp = torch.log_softmax(out.logits.float(), dim=-1)
-    picked = logp.gather(-1, ids[:, start + 1:stop + 1, None]).squeeze(-1)  # log p(token t+1 | up to t)
+    b, t, v = out.logits.shape
+    picked, ent = picked_logprobs(out.logits.reshape(b * t, v), ids[:, start + 1:stop + 1].reshape(-1),
+                                  with_entropy=with_entropy)  # log p(token t+1 | up to t)
+    picked = picked.view(b, t)
     zero = picked.new_zeros(picked.shape[0], 1)
     result = PolicyOutput(torch.cat([zero, gather_length(picked, group)[:, :width - 1]], dim=1))
     if with_entropy:
-        ent = -(logp.exp() * logp).sum(-1)
+        ent = ent.view(b, t)
         result.entropy = torch.cat([zero, gather_length(ent, group)[:, :width - 1]], dim=1)
     return result

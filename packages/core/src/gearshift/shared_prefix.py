@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .logprobs import picked_logprobs
 from .train import PolicyOutput, TrainBatch, pack_by_width
 
 #: attention implementations that take a 4-D mask from the caller, and the mask each takes
@@ -196,14 +197,13 @@ def layout(batch: TrainBatch, cap: int | None = None) -> Layout:
 def logprobs(logits: torch.Tensor, lay: Layout, input_ids: torch.Tensor, with_entropy: bool = False) -> PolicyOutput:
     """The batch's log-probabilities (and entropies) from the packed sequences' `logits` [G, W, V], aligned
     like `train.token_logprobs`'s: position 0 holds 0; padding positions hold a finite value of no meaning."""
-    logp = torch.log_softmax(logits.float(), dim=-1).flatten(0, 1)
     before = lay.index[:, :-1]  # the token each one is predicted after, in the packed sequences
-    picked = logp[before, input_ids[:, 1:]]
-    zero = picked.new_zeros(picked.shape[0], 1)
-    out = PolicyOutput(torch.cat([zero, picked], dim=1))
+    picked, ent = picked_logprobs(logits.flatten(0, 1), input_ids[:, 1:].reshape(-1), before.reshape(-1),
+                                  with_entropy)
+    zero = picked.new_zeros(before.shape[0], 1)
+    out = PolicyOutput(torch.cat([zero, picked.view(before.shape)], dim=1))
     if with_entropy:
-        ent = -(logp.exp() * logp).sum(-1)
-        out.entropy = torch.cat([zero, ent[before]], dim=1)
+        out.entropy = torch.cat([zero, ent.view(before.shape)], dim=1)
     return out
 
 

@@ -21,6 +21,7 @@ from typing import Callable, ClassVar, Iterator, Sequence
 
 import torch
 
+from .logprobs import picked_logprobs
 from .mesh import MeshSpec
 from .options import Buildable, EngineArgs, option
 from .tags import TRAIN_TAGS, check_tags
@@ -179,15 +180,16 @@ def nll_loss(out: PolicyOutput, batch: TrainBatch) -> tuple[torch.Tensor, dict[s
 
 
 def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor, with_entropy: bool = False) -> PolicyOutput:
-    """Log-probabilities of `input_ids` under next-token `logits` [B, T, V], aligned with the tokens."""
-    logits = logits[:, :-1].float()
-    logp = torch.log_softmax(logits, dim=-1)
-    picked = logp.gather(-1, input_ids[:, 1:, None]).squeeze(-1)
-    zero = picked.new_zeros(picked.shape[0], 1)
-    out = PolicyOutput(torch.cat([zero, picked], dim=1))
+    """Log-probabilities of `input_ids` under next-token `logits` [B, T, V], aligned with the tokens
+    (float32, without a float32 copy of the logits: gearshift.logprobs)."""
+    b, t, v = logits.shape
+    # position t predicts token t + 1; the last position's target is a stand-in, dropped below
+    targets = torch.cat([input_ids[:, 1:], input_ids[:, :1]], dim=1)
+    picked, ent = picked_logprobs(logits.reshape(b * t, v), targets.reshape(-1), with_entropy=with_entropy)
+    zero = picked.new_zeros(b, 1)
+    out = PolicyOutput(torch.cat([zero, picked.view(b, t)[:, :-1]], dim=1))
     if with_entropy:
-        ent = -(logp.exp() * logp).sum(-1)
-        out.entropy = torch.cat([zero, ent], dim=1)
+        out.entropy = torch.cat([zero, ent.view(b, t)[:, :-1]], dim=1)
     return out
 
 
