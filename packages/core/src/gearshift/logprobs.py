@@ -32,8 +32,9 @@ class _Picked(torch.autograd.Function):
             x = logits[a:a + rows].float()
             chunk = torch.logsumexp(x, dim=-1)
             lse[a:a + rows] = chunk
-            if with_entropy:  # H = -sum p log p = lse - sum p x
-                ent[a:a + rows] = chunk - (torch.exp(x - chunk[:, None]) * x).sum(-1)
+            if with_entropy:  # H = -sum p log p = lse - sum p x, the sum a row-by-row dot product
+                p = (x - chunk[:, None]).exp_()
+                ent[a:a + rows] = chunk - (p[:, None, :] @ x[:, :, None]).view(-1)
         at = torch.arange(n, device=logits.device) if positions is None else positions
         picked = logits[at, targets].float() - lse[at]
         ctx.save_for_backward(logits, targets, lse, ent, positions)
@@ -62,16 +63,17 @@ class _Picked(torch.autograd.Function):
         grad = torch.empty_like(logits)
         for i, a in enumerate(range(0, n, rows)):
             b = min(a + rows, n)
-            logp = logits[a:b].float() - lse[a:b, None]
-            p = torch.exp(logp)
-            g = p * -g_row[a:b, None]
-            if use_ent:  # dH/dx = -p (log p + H)
-                g -= p * (logp + ent[a:b, None]) * ge_row[a:b, None]
+            logp = logits[a:b] - lse[a:b, None]  # float32, in one pass from the logits' own dtype
+            if use_ent:  # d/dx of (g log p_target + ge H) = g onehot - p (g + ge (log p + H))
+                p = logp.exp()
+                g = p.mul_(logp.add_(ent[a:b, None]).mul_(-ge_row[a:b, None]).sub_(g_row[a:b, None]))
+            else:
+                g = logp.exp_().mul_(-g_row[a:b, None])
             if bounds is None:
                 g[torch.arange(b - a, device=g.device), targets[a:b]] += grad_picked[a:b]
             else:
                 idx = bounds[0][bounds[1][i]:bounds[1][i + 1]]
-                g.index_put_((positions[idx] - a, targets[idx]), grad_picked[idx], accumulate=True)
+                g.index_put_((positions[idx] - a, targets[idx]), grad_picked[idx].to(g.dtype), accumulate=True)
             grad[a:b] = g
         return grad, None, None, None
 
