@@ -12,8 +12,9 @@ from gearshift.conformance import PairSuite, RolloutEngineSuite, TrainEngineSuit
 
 from gearshift_fsdp.engine import FSDPTrainEngine
 
-# the suite compares with fp32 references (on a GPU the default computes in bf16); a launcher may add options
-OPTIONS = {"param_dtype": "float32", **json.loads(os.environ.get("GEARSHIFT_FSDP_OPTIONS", "{}"))}
+# the suite compares with fp32 references (on a GPU the default computes in bf16); FSDP2 even on one rank (where
+# the default trains the module as it is: TestFSDPTrainOnOneRank); a launcher may add options
+OPTIONS = {"param_dtype": "float32", "one_rank": "fsdp", **json.loads(os.environ.get("GEARSHIFT_FSDP_OPTIONS", "{}"))}
 #: the rollout engine's mesh, set by a launcher (tp=2: each rank keeps its slice); default dp over every rank
 ROLLOUT_MESH = os.environ.get("GEARSHIFT_HF_MESH") or None
 
@@ -23,6 +24,14 @@ class TestFSDPTrain(TrainEngineSuite):
     @pytest.fixture
     def train_engine_factory(self, gearshift_model):
         return lambda **kw: FSDPTrainEngine.build(gearshift_model, **{**OPTIONS, **kw})
+
+
+if os.environ.get("WORLD_SIZE", "1") == "1":  # one process: the default, the module as it is
+    class TestFSDPTrainOnOneRank(TrainEngineSuite):
+        train_backend = FSDPTrainEngine
+        @pytest.fixture
+        def train_engine_factory(self, gearshift_model):
+            return lambda **kw: FSDPTrainEngine.build(gearshift_model, **{"param_dtype": "float32", **kw})
 
 
 class TestFSDPWithHFRollout(PairSuite):

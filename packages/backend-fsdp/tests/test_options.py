@@ -24,9 +24,10 @@ PLAIN_DP = "mesh" not in LAUNCH
 
 
 def build(model, **options):
-    # the tests read the last step's gradients, which the engine otherwise frees after its optimizer step
+    # the tests read the last step's gradients, which the engine otherwise frees after its optimizer step; on
+    # one rank FSDP2 is asked for (`one_rank`), whose DTensors these tests read
     return FSDPTrainEngine.build(model, **{"lr": 1e-2, "param_dtype": "float32", "mesh": LAUNCH.get("mesh"),
-                                           "keep_grads": True, **options})
+                                           "keep_grads": True, "one_rank": "fsdp", **options})
 
 
 def trained(engine, steps: int = 2):
@@ -196,3 +197,26 @@ def test_checkpoint_for_another_dp_size(gearshift_model):
     if gdist.rank() == 0:
         torch.save({"weights": weights, "next_loss": loss}, os.path.join(folder, "expected.pt"))
     gdist.barrier()
+
+
+@pytest.mark.skipif(gdist.world_size() > 1, reason="one rank only")
+def test_one_rank_trains_the_module_as_it_is_exactly_like_fsdp(gearshift_model, reference):
+    from gearshift_fsdp.parallelize import FSDPModule
+
+    engine = build(gearshift_model, one_rank="auto")
+    assert engine.plain and engine.device_mesh is None
+    assert not any(isinstance(m, FSDPModule) for m in engine.model.modules())
+    assert not any(isinstance(p, torch.distributed.tensor.DTensor) for p in engine.trained.values())
+    assert all(p.placement.is_replicated() for p in engine.weight_spec())
+    losses, weights = trained(engine)
+    assert losses == pytest.approx(reference[0], rel=1e-6)  # the same sums; FSDP reduces in its own order
+    assert_same(weights, reference[1], exact=False)
+
+
+@pytest.mark.skipif(gdist.world_size() > 1, reason="one rank only")
+def test_one_rank_keeps_fsdp_where_it_casts_or_offloads_and_plain_says_why_it_cannot(gearshift_model):
+    assert not build(gearshift_model, one_rank="auto", param_dtype="bfloat16").plain  # FSDP casts the weights
+    assert not build(gearshift_model, one_rank="auto", cpu_offload=True).plain
+    assert build(gearshift_model, one_rank="plain").plain
+    with pytest.raises(ValueError, match="one_rank='plain' trains the module as it is.*use one_rank='fsdp'"):
+        build(gearshift_model, one_rank="plain", param_dtype="bfloat16")

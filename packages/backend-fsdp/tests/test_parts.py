@@ -50,7 +50,7 @@ def test_decoder_layers_are_found(tmp_path, arch):
 def test_a_plain_process_gets_a_group_of_one(gearshift_model):
     import torch.distributed as dist
 
-    engine = FSDPTrainEngine.build(gearshift_model, param_dtype="float32")
+    engine = FSDPTrainEngine.build(gearshift_model, param_dtype="float32", one_rank="fsdp")
     assert dist.is_initialized() and dist.get_world_size() == 1
     assert engine.mesh == MeshSpec(dp=1) and engine.device_mesh.mesh_dim_names == ("dp",)
 

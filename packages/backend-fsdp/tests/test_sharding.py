@@ -26,7 +26,7 @@ from gearshift_fsdp.engine import FSDPTrainEngine
 @pytest.fixture(scope="module")
 def engine(gearshift_model):
     options = json.loads(os.environ.get("GEARSHIFT_FSDP_OPTIONS", "{}"))  # set by a launcher (hybrid sharding)
-    return FSDPTrainEngine.build(gearshift_model, lr=1e-2, param_dtype="float32", **options)
+    return FSDPTrainEngine.build(gearshift_model, lr=1e-2, param_dtype="float32", one_rank="fsdp", **options)
 
 
 def peak_cpu_bytes(fn) -> int:

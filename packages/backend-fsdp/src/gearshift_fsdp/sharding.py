@@ -1,5 +1,9 @@
 """`FSDPSharding`: how the fsdp trainer lays a causal LM over the mesh, as the core's `Sharding` asks it.
 
+On a mesh of one rank with nothing for FSDP to do (no cast to a lower `param_dtype`, no `cpu_offload`), the
+module trains as it is (`plain`: the core's own one-process `Sharding`), without FSDP2's per-micro-batch
+copies of the weights and gradients; `one_rank="fsdp"` wraps it all the same.
+
 FSDP2's `fully_shard` over the dp ranks (hybrid replicate x shard with
 `replicate > 1`), after the model's own tensor-parallel plan with tp > 1 and
 with Ulysses attention with sp > 1. Each weight is a DTensor: its placement
@@ -28,7 +32,7 @@ class FSDPSharding(Sharding):
 
     def __init__(self, mesh: MeshSpec, *, master_dtype: torch.dtype, param_dtype: torch.dtype | None,
                  reduce_dtype: torch.dtype, replicate: int = 1, reshard_after_forward: bool | int = True,
-                 cpu_offload: bool = False) -> None:
+                 cpu_offload: bool = False, one_rank: str = "auto") -> None:
         self.mesh = mesh
         self.replicate = int(replicate)
         self.master_dtype, self.param_dtype, self.reduce_dtype = master_dtype, param_dtype, reduce_dtype
@@ -38,6 +42,16 @@ class FSDPSharding(Sharding):
         #: parameters whose gradients each tp rank computes only in part (summed over tp after backward)
         self.partial_grads: list[nn.Parameter] = []
         self.world_mesh = self.device_mesh = None
+        if one_rank not in ("auto", "plain", "fsdp"):
+            raise ValueError(f"one_rank must be 'auto', 'plain' or 'fsdp', not {one_rank!r}")
+        casts = param_dtype is not None and param_dtype != master_dtype
+        if one_rank == "plain" and (casts or cpu_offload) and mesh.world_size == 1:
+            raise ValueError(f"one_rank='plain' trains the module as it is, with no cast to param_dtype "
+                             f"{param_dtype} and no cpu_offload: use one_rank='fsdp' (or 'auto'), or master "
+                             f"weights in the compute dtype")
+        #: one rank trains the module as it is: nothing to shard, nothing for FSDP to cast or offload
+        self.plain = mesh.world_size == 1 and self.replicate == 1 and (
+            one_rank == "plain" or (one_rank == "auto" and not casts and not cpu_offload))
 
     @property
     def plain_dp(self) -> bool:
@@ -54,6 +68,8 @@ class FSDPSharding(Sharding):
             raise ValueError(f"replicate={self.replicate} must divide dp={mesh.dp}")
 
     def parallelize(self, model: nn.Module, hf_model: nn.Module, device: torch.device) -> nn.Module:
+        if self.plain:
+            return super().parallelize(model, hf_model, device)
         partial: list[str] = []
         if self.plain_dp:
             self.device_mesh = build_dp_mesh(self.mesh, device.type, self.replicate)
@@ -82,7 +98,7 @@ class FSDPSharding(Sharding):
         return sharded
 
     def placement(self, name: str, param: torch.Tensor, mesh: MeshSpec) -> Placement:
-        return placement_of(param, mesh)
+        return super().placement(name, param, mesh) if self.plain else placement_of(param, mesh)
 
     def local(self, tensor: torch.Tensor) -> torch.Tensor:
         return tensor.to_local() if isinstance(tensor, DTensor) else tensor
