@@ -6,7 +6,8 @@
 # After the vLLM carry (tools/gpu/h200_realistic.sh's header):
 #   SHAPES="qwen2-0.5b:8192 qwen2-7b:4608" CODE="/tmp/ab-old installed" bash tools/gpu/train_ab.sh
 # Each shape is MODEL:TOKENS (tokens per micro-batch); 256 rows of 288 tokens (32 prompts x 8 samples, 144
-# prompt and 144 answer tokens each), bf16 weights; BACKENDS (default fsdp); OPTS engine options as bench
+# prompt and 144 answer tokens each), DTYPE weights (default bfloat16; float32 trains with bf16 compute through
+# FSDP's param_dtype on a GPU); BACKENDS (default fsdp); OPTS engine options as bench
 # train's --options JSON (e.g. '{"fsdp": {"one_rank": "fsdp"}}'). Output under $OUT.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -24,7 +25,7 @@ for shape in ${SHAPES:-qwen2-0.5b:8192 qwen2-7b:4608}; do
     name=$(basename "$code")
     echo "== $m, $tokens tokens a micro-batch, $what"
     PYTHONPATH=$path timeout "${LIMIT:-300}" python3 -m gearshift bench train --backends "${BACKENDS:-fsdp}" \
-      --model "$m" --dtype bfloat16 --batch-size 256 --seq-len 288 --max-tokens-per-micro-batch "$tokens" \
+      --model "$m" --dtype "${DTYPE:-bfloat16}" --batch-size 256 --seq-len 288 --max-tokens-per-micro-batch "$tokens" \
       --steps "${STEPS:-2}" --options "${OPTS:-{\}}" --profile 2>&1 | quiet | grep -v "USDT\|Warn\|warn" | tee "$out/train-$m-$name.log" | tail -14
   done
 done
