@@ -75,9 +75,15 @@ def test_env_states_the_backend_contract(capsys):
     assert row.split()[-1] == str(contract.VERSION)
 
 
-def test_bench_step_splits_a_step_into_its_phases_and_the_loops_own_time(gearshift_model, tmp_path, capsys):
+def test_bench_step_splits_a_step_into_its_phases_and_the_loops_own_time(gearshift_model, tmp_path, capsys,
+                                                                         monkeypatch):
     import json
 
+    from gearshift.rl.controller import Controller
+
+    closed = []
+    real_close = Controller.close
+    monkeypatch.setattr(Controller, "close", lambda self: (closed.append(self), real_close(self)))
     out = tmp_path / "step.json"
     assert main(["bench", "step", f"model.path={gearshift_model}", "rollout.backend=hf", "train.backend=torch",
                  "run.prompts_per_step=4", "rollout.n=2", "rollout.max_tokens=3", f"run.output_dir={tmp_path}",
@@ -88,6 +94,7 @@ def test_bench_step_splits_a_step_into_its_phases_and_the_loops_own_time(gearshi
     assert result["steps"] == 2 and {"step", "rollout", "reward", "train", "loop"} <= set(result)
     parts = sum(result.get(k, 0) for k in ("rollout", "reward", "train", "switch_to_rollout", "switch_to_train"))
     assert result["loop"] == pytest.approx(result["step"] - parts, abs=0.05 * result["step"] + 1e-3)
+    assert len(closed) == 1  # its engines closed before the interpreter's exit (vLLM's finalizer, else)
 
 
 def test_check_names_an_engine_option_the_backend_lacks(capsys):

@@ -28,7 +28,13 @@ def measure_steps(config_path: str | None, overrides: list[str], steps: int = 5,
                                     "run.progress=false", "run.samples_per_step=0", "run.plot=false",
                                     "run.tensorboard=false"])
     controller = Controller(cfg)
-    rows = [controller.run_step() for _ in range(steps)]
+    try:
+        rows = [controller.run_step() for _ in range(steps)]
+    finally:
+        controller.logger.close()
+        # the engines go while the process group they share exists: left to the interpreter's exit, vLLM's
+        # finalizer ran after it was gone and printed a traceback
+        controller.close()
     kept = rows[skip:] or rows
     out: dict[str, Any] = {"steps": len(kept)}
     for name in ("step", *STEP_PHASES):
@@ -38,7 +44,6 @@ def measure_steps(config_path: str | None, overrides: list[str], steps: int = 5,
     loop = [r["time/step"] - sum(r.get(f"time/{n}", 0.0) for n in STEP_PHASES) for r in kept]
     out["loop"] = statistics.median(loop)
     out["tokens_per_s"] = statistics.median(r["rollout/tokens_per_s"] for r in kept)
-    controller.logger.close()
     return out
 
 
