@@ -84,7 +84,7 @@ LAYOUTS = {
     "sp": ({"mesh": "sp=2"}, "tp=2", "tiny4h"),
 }
 SKIPS = ("resharding to a smaller group", "copies by default", "no adapter sync for this pair", "over dp alone",
-         "serves lent tensors")
+         "serves lent tensors", "one rank only")
 
 
 def layout_env(layout: str, handoff: Path) -> tuple[dict[str, str], tuple[str, ...]]:
