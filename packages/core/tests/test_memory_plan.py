@@ -205,8 +205,8 @@ def test_activation_estimate_orders_its_cases():
     train = activation_bytes_per_token(config, training=True)
     assert activation_bytes_per_token(config, training=True, checkpointing=True) < train
     assert activation_bytes_per_token(config, training=False) < train
-    # about 2.4 MiB a token at Qwen2-0.5B's shape: 1.8 MiB its layers, 0.6 MiB the bf16 logits and their gradient
-    assert 2 * 2**20 < train < 3 * 2**20
+    # about 3 MiB a token at Qwen2-0.5B's shape: 1.8 MiB its layers, 1.2 MiB the logits and their gradient
+    assert 2.5 * 2**20 < train < 3.5 * 2**20
 
 
 def test_the_default_micro_batches_fit_free_memory_or_say_what_to_change(monkeypatch, gearshift_model):

@@ -81,7 +81,8 @@ def activation_bytes_per_token(config, *, training: bool, checkpointing: bool = 
     Counted per layer from the tensors autograd keeps (norm inputs and outputs, q/k/v and their rotated
     copies, attention output, the MLP's gate, up, activation and product) at the compute dtype, with
     attention kernels that keep no sequence-squared matrix; plus the output head's logits, kept for backward,
-    and their gradient (the log-probabilities take float32 one chunk of rows at a time, gearshift.logprobs: a
+    and their gradient, counted in float32 (the log-probabilities take float32 one chunk of rows at a time,
+    gearshift.logprobs: a
     fixed few hundred MiB, inside the plan's margin). With checkpointing, a layer keeps only
     its input and one layer is recomputed at a time. Without a graph (`training=False`), one layer's tensors
     and the logits are alive at once. An estimate, sized to be above what such a model takes.
@@ -97,8 +98,9 @@ def activation_bytes_per_token(config, *, training: bool, checkpointing: bool = 
     # the norms keep a float32 copy of their input; a token routed to k experts is copied to each and its output
     # scaled there (about 4 hidden-sized tensors an expert)
     per_layer = c * (12 * h + 3 * kv + 5 * ffn + 4 * routed * h) + 4 * 2 * h
-    # the head's logits (kept for backward) and, in backward, their gradient
-    logits = c * vocab * (2 if training else 1)
+    # the head's logits (kept for backward) and, in backward, their gradient: at 4 bytes each whatever the compute
+    # dtype, since some models return their logits in float32
+    logits = 4 * vocab * (2 if training else 1)
     if not training:
         return per_layer + logits
     kept = c * h * layers if checkpointing else per_layer * layers
