@@ -33,8 +33,8 @@ class FSDPTrainEngine(ModuleTrainEngine):
 
     On a mesh of one rank there is nothing to shard, and FSDP2 would still copy every weight into a gathered
     copy before each micro-batch's forward and backward and each gradient through its reduction after it (at
-    7B in bf16 on an H100 the train phase grew by about 0.1 s with each micro-batch more, 16 -> 43 micro-batches
-    9.4 -> 12.1 s). There the module trains as it is (`one_rank`), unless FSDP
+    7B in bf16 on an H100 the train phase grew by about 0.1 s with each micro-batch more: 9.4 s in 16 in a run's
+    first step, 12.1 s in 43 in its later ones). There the module trains as it is (`one_rank`), unless FSDP
     casts the weights to a lower `param_dtype` or keeps them in host memory (`cpu_offload`).
 
     `dtype` is the dtype of the sharded master weights; `param_dtype` the compute
