@@ -82,9 +82,8 @@ def activation_bytes_per_token(config, *, training: bool, checkpointing: bool = 
     copies, attention output, the MLP's gate, up, activation and product) at the compute dtype, with
     attention kernels that keep no sequence-squared matrix; plus the output head's logits, kept for backward,
     and their gradient, counted in float32 (the log-probabilities take float32 one chunk of rows at a time,
-    gearshift.logprobs: a
-    fixed few hundred MiB, inside the plan's margin). With checkpointing, a layer keeps only
-    its input and one layer is recomputed at a time. Without a graph (`training=False`), one layer's tensors
+    gearshift.logprobs: a fixed few hundred MiB, inside the plan's margin). With checkpointing, a layer keeps
+    only its input and one layer is recomputed at a time. Without a graph (`training=False`), one layer's tensors
     and the logits are alive at once. An estimate, sized to be above what such a model takes.
     """
     h = int(config.hidden_size)

@@ -69,7 +69,8 @@ def profile_kinds(fn: Callable[[], object], top: int = 5) -> dict:
             if e.device_type() != torch.autograd.DeviceType.CUDA or e.duration_ns() <= 0:
                 continue
             name, secs = e.name(), e.duration_ns() / 1e9
-            by_kind[kind_of(name)] = by_kind.get(kind_of(name), 0.0) + secs
+            kind = kind_of(name)
+            by_kind[kind] = by_kind.get(kind, 0.0) + secs
             by_name[name] = by_name.get(name, 0.0) + secs
             intervals.append((e.start_ns() / 1e9, e.start_ns() / 1e9 + secs))
     else:
