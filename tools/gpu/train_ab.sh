@@ -16,6 +16,9 @@ source tools/gpu/vllm_env.sh
 srcs() { ls -d "$1"/packages/*/src | paste -sd:; }
 for shape in ${SHAPES:-qwen2-0.5b:8192 qwen2-7b:4608}; do
   m=${shape%:*}; tokens=${shape#*:}
+  # the preset is built (or found) before either side, so no side's time limit pays for the build
+  python3 -c "import sys; from gearshift.models import resolve_model; print('model', resolve_model(sys.argv[1]))" \
+    "$m" 2>&1 | quiet | tail -1
   for code in ${CODE:-installed tree}; do
     case "$code" in
       installed) path=/tmp/site; what="gearshift $(cut -c1-7 .whl/COMMIT 2>/dev/null)" ;;
@@ -24,8 +27,13 @@ for shape in ${SHAPES:-qwen2-0.5b:8192 qwen2-7b:4608}; do
     esac
     name=$(basename "$code")
     echo "== $m, $tokens tokens a micro-batch, $what"
+    # the whole output kept (`.full.log`), the exit status said: a side that fails or runs out of time shows it
     PYTHONPATH=$path timeout "${LIMIT:-300}" python3 -m gearshift bench train --backends "${BACKENDS:-fsdp}" \
       --model "$m" --dtype "${DTYPE:-bfloat16}" --batch-size 256 --seq-len 288 --max-tokens-per-micro-batch "$tokens" \
-      --steps "${STEPS:-2}" --options "${OPTS:-{\}}" --profile 2>&1 | quiet | grep -v "USDT\|Warn\|warn" | tee "$out/train-$m-$name.log" | tail -14
+      --steps "${STEPS:-2}" --options "${OPTS:-{\}}" --profile > "$out/train-$m-$name.full.log" 2>&1
+    rc=$?
+    quiet < "$out/train-$m-$name.full.log" | grep -v "USDT\|Warn\|warn" > "$out/train-$m-$name.log"
+    tail -14 "$out/train-$m-$name.log"
+    [ "$rc" = 0 ] || echo "$m, $what: exit $rc$([ "$rc" = 124 ] && echo " (over LIMIT=${LIMIT:-300} s)")"
   done
 done
