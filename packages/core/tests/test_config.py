@@ -301,6 +301,12 @@ def test_an_engine_option_its_backend_lacks_fails_before_anything_is_built(monke
     with pytest.raises(ConfigError, match="train.options: train backend 'torch': .*'gradient_checkpointing' = "
                                           "'maybe'"):
         check_options(load_config(None, ["train.backend=torch", 'train.options={"gradient_checkpointing": "maybe"}']))
+    # YAML reads `{name:value}` (no space) as one key; the error says so
+    with pytest.raises(ConfigError, match=r"no option 'gradient_checkpointing:true' \('gradient_checkpointing:true' "
+                                          r"reads as one name: write a space after the colon"):
+        check_options(load_config(None, ["train.backend=torch", "train.options={gradient_checkpointing:true}"]))
+    with pytest.raises(ConfigError, match=r"no option 'nothing:here'\. Every"):  # not an option's name: no hint
+        check_options(load_config(None, ["train.backend=torch", "train.options={nothing:here}"]))
 
     def no_build(*args, **kwargs):
         raise AssertionError("a model was built or resolved before the options were checked")

@@ -223,10 +223,14 @@ def _no_unknown(cls: type, kwargs: dict[str, Any]) -> None:
     common, own = _fields(cls.Args), _fields(cls.Options)
     unknown = sorted(set(kwargs) - set(common) - set(own))
     if unknown:
+        # `{name:value}` in an override is YAML's one key 'name:value' (a mapping needs a space after the colon)
+        glued = [k for k in unknown if isinstance(k, str) and ":" in k and kwargs[k] is None
+                 and k.split(":", 1)[0].strip() in {**common, **own}]
+        hint = f" ({glued[0]!r} reads as one name: write a space after the colon, {{name: value}})" if glued else ""
         raise OptionError(
-            f"{cls.__name__} has no option {', '.join(map(repr, unknown))}. Every {cls.Args.__name__[:-4].lower()} "
-            f"engine takes: {', '.join(common)}; {cls.__name__} also takes: {', '.join(own) or 'nothing else'} "
-            f"(see 'gearshift backends NAME')")
+            f"{cls.__name__} has no option {', '.join(map(repr, unknown))}{hint}. Every "
+            f"{cls.Args.__name__[:-4].lower()} engine takes: {', '.join(common)}; {cls.__name__} also takes: "
+            f"{', '.join(own) or 'nothing else'} (see 'gearshift backends NAME')")
 
 
 def _make(datacls: type, values: dict[str, Any], owner: str):
