@@ -137,6 +137,11 @@ def test_a_killed_run_resumes_where_its_last_checkpoint_left_off(gearshift_model
     for a, b in zip(got, want):  # continues as if never stopped
         for key in ("reward/mean", "train/pg_loss", "train/grad_norm", "response_len/mean"):
             assert a[key] == pytest.approx(b[key], rel=1e-5, abs=1e-7), (a["step"], key)
+    again = _run(_overrides(gearshift_model, killed_dir), tmp_path)  # the same command once more: all done
+    out, _ = again.communicate(timeout=300)
+    assert again.returncode == 0, out
+    assert "at step 6; run.steps=6: nothing left to train (raise run.steps" in out, out
+    assert [r["step"] for r in read_jsonl(metrics)] == [1, 2, 3, 4, 5, 6]
 
 
 def test_a_datasets_dataset_trains_and_a_held_out_set_is_evaluated(gearshift_model, tmp_path):

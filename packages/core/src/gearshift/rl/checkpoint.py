@@ -67,6 +67,15 @@ def to_resume(resume: str, root: str | Path) -> Path | None:
     return Path(resume) if resume != "auto" else latest(root)
 
 
+def resumed(path: str | Path, step: int, steps: int) -> str:
+    """The line a run prints on resuming from checkpoint `path` at `step` of `steps`."""
+    line = f"gearshift: resumed from {path} at step {step}"
+    if step >= steps:
+        line += (f"; run.steps={steps}: nothing left to train (raise run.steps to go on, or run.resume=never to "
+                 f"start over in this output_dir)")
+    return line
+
+
 def save(root: str | Path, step: int, engines: Mapping[str, TrainEngine], state: Mapping[str, Any],
          keep: int = 2) -> Path:
     """Write checkpoint `step` (every rank calls this) and keep the newest `keep` complete ones.

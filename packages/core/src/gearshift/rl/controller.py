@@ -125,7 +125,7 @@ class Controller:
         self.data.load_state_dict(state["data"])
         self.logger.truncate_after(self.step)
         if self.rank == 0:
-            print(f"gearshift: resumed from {path} at step {self.step}")
+            print(checkpoint.resumed(path, self.step, self.config.run.steps))
 
     def save_checkpoint(self) -> Path:
         return checkpoint.save(self.out / "checkpoints", self.step, self._engines(),

@@ -169,7 +169,7 @@ class SplitController:
         self.step = self.version = state["step"]
         self.data.load_state_dict(state["data"])
         self.logger.truncate_after(self.step)
-        print(f"gearshift: resumed from {path} at step {self.step}", flush=True)
+        print(checkpoint.resumed(path, self.step, self.config.run.steps), flush=True)
 
     def save_checkpoint(self, data_state: dict | None = None) -> Path:
         state = {"step": self.step, "data": data_state or self.data.state_dict()}
