@@ -13,6 +13,7 @@
 #   bash tools/gpu/h200_realistic.sh rollout         vLLM alone at the scenario's batch (ROLLOUT_VARIANTS: engine
 #                                                    options to compare, ';'-separated, e.g. '{"request_seeds": false}')
 #   bash tools/gpu/h200_realistic.sh rollout-profile tools/gpu/profile_rollout.py: where vLLM's rollout time goes
+#                                                    (ENGINE_PROCESS=1: and a plain vLLM in processes of its own)
 #   bash tools/gpu/h200_realistic.sh profile         one sync under torch.profiler, the KV-cache wake mapped call by
 #                                                    call, and a second vLLM engine in one process
 # Output under $OUT (the device tool brings it back).
@@ -99,7 +100,8 @@ EOF
     # the same engine and batch generated as gearshift asks and with each ask left out (a seed per request, the
     # sampled token's logprob), then one call under cProfile
     for m in ${MODELS:-qwen2-0.5b}; do
-      timeout "${LIMIT:-240}" python3 tools/gpu/profile_rollout.py --model "$m" --max-tokens "${TOKENS:-256}" 2>&1 \
+      timeout "${LIMIT:-240}" python3 tools/gpu/profile_rollout.py --model "$m" --max-tokens "${TOKENS:-256}" \
+        ${ENGINE_PROCESS:+--engine-process} 2>&1 \
         | quiet | tee "$out/rollout-profile-$m.log" | grep -vE "^ *(INFO|WARNING|DEBUG)" | tail -70
     done ;;
 esac

@@ -11,6 +11,11 @@ passes over one call, and the functions with the most own and most cumulative ti
 call. The variants call vLLM's `LLM.generate` directly with the requests gearshift builds, changing one field of vLLM's `SamplingParams`; the first row is gearshift's own
 `generate` (vLLM's call plus turning its outputs into rollouts). Runs on a CPU too (a tiny model). A tool, not a
 test.
+
+`--engine-process` adds two rows after the engine is closed: a plain `vllm.LLM` built with the same keyword
+arguments in a process of its own with vLLM's engine core in yet another one (`VLLM_ENABLE_V1_MULTIPROCESSING=1`,
+vLLM's default outside gearshift), generating the same requests without and with the sampled token's logprob: how
+much of the rollout is the host work that runs on the trainer's thread while vLLM lives in its process.
 """
 
 from __future__ import annotations
@@ -38,6 +43,48 @@ def timed(fn, repeats: int) -> tuple[float, int]:
     return statistics.median(times), tokens
 
 
+def engine_process(kwargs: dict, prompts: list[list[int]], n: int, max_tokens: int, repeats: int) -> list[str]:
+    """Rows for a plain vLLM built with `kwargs` in a child process, its engine core in a process of its own."""
+    import os
+    import subprocess
+    import sys
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        spec = os.path.join(tmp, "spec.json")
+        with open(spec, "w") as f:
+            json.dump({"kwargs": kwargs, "prompts": prompts, "n": n, "max_tokens": max_tokens,
+                       "repeats": repeats}, f)
+        env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "1"}
+        proc = subprocess.run([sys.executable, __file__, "--child", spec], env=env, capture_output=True, text=True,
+                              timeout=900)
+    rows = [line[len("ROW "):] for line in proc.stdout.splitlines() if line.startswith("ROW ")]
+    if proc.returncode or len(rows) < 2:
+        rows.append(f"engine process failed (exit {proc.returncode}): {(proc.stderr or proc.stdout)[-1500:]}")
+    return rows
+
+
+def child(spec_path: str) -> int:
+    """The `--engine-process` side: `vllm.LLM(**kwargs)` as vLLM runs by default, the same requests timed."""
+    import vllm
+
+    spec = json.load(open(spec_path))
+    llm = vllm.LLM(**spec["kwargs"])
+    requests = [{"prompt_token_ids": q} for q in spec["prompts"]]
+
+    def call(logprobs: bool):
+        params = vllm.SamplingParams(n=spec["n"], temperature=1.0, max_tokens=spec["max_tokens"],
+                                     logprobs=0 if logprobs else None, detokenize=False)
+        return lambda: sum(len(c.token_ids) for o in llm.generate(requests, params, use_tqdm=False) for c in o.outputs)
+
+    for logprobs in (False, True):
+        call(logprobs)()  # warm-up
+        secs, tokens = timed(call(logprobs), spec["repeats"])
+        label = f"vLLM in its own processes, {'logprob' if logprobs else 'no logprob'}"
+        print(f"ROW   {label:58s} {secs:7.3f} s  {tokens / secs:10,.0f} tokens/s  ({tokens} tokens)", flush=True)
+    return 0
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="qwen2-0.5b")
@@ -48,7 +95,12 @@ def main() -> int:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--rows", type=int, default=25, help="profile rows printed")
     p.add_argument("--options", default='{"dtype": "bfloat16"}', help="JSON: vllm engine options")
+    p.add_argument("--engine-process", action="store_true",
+                   help="also time a plain vLLM with its engine core in a process of its own")
+    p.add_argument("--child", help=argparse.SUPPRESS)
     args = p.parse_args()
+    if args.child:
+        return child(args.child)
 
     from gearshift_vllm.requests import vllm_sampling
 
@@ -122,7 +174,15 @@ def main() -> int:
     stats.sort_stats("cumulative").print_stats(args.rows)
     print(f"profiled gearshift generate: {wall:.3f} s for {tokens} tokens (profiling slows Python down)")
     print("\n".join(line for line in buf.getvalue().splitlines() if line.strip())[:20000])
+    kwargs = {k: v for k, v in engine.vllm_kwargs.items() if isinstance(v, (str, int, float, bool, type(None)))}
     engine.close()
+    if args.engine_process:
+        kwargs.pop("enable_sleep_mode", None)  # nothing sleeps here
+        if str(kwargs.get("load_format", "")).startswith("gearshift"):  # a loader registered in this process only
+            kwargs.pop("load_format")
+        print(f"{args.model}: the same requests (no seed per request) from a plain vLLM, {kwargs}")
+        for row in engine_process(kwargs, prompts, args.n, args.max_tokens, args.repeats):
+            print(f"  {row}", flush=True)
     return 0
 
 

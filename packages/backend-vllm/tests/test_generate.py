@@ -13,6 +13,7 @@ def engine(vllm_engine):
 
 def test_logprobs_are_the_model_own_whatever_the_sampling(engine, transformers_diff):
     # temperature, top-k and top-p shape what is sampled, never the logprobs reported
+    assert engine.vllm_kwargs["logprobs_mode"] == "raw_logprobs"  # as built (what tools start a plain vLLM with)
     out = engine.generate(PROMPTS, SamplingParams(n=3, temperature=0.6, top_k=5, top_p=0.9, max_tokens=8, seed=1))
     assert transformers_diff(out) <= 1e-4
     greedy = engine.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=8))

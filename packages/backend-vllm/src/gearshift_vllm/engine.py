@@ -154,6 +154,8 @@ class VLLMRolloutEngine(RolloutEngine):
             forget_dead_groups(parallel_state)
             #: the default process group if vLLM made it (a single process with none yet): close() ends it
             self._llm, self._default_group = default_group_if_made_by(lambda: vllm.LLM(**kwargs))
+            #: the keyword arguments `vllm.LLM` was built with (for tools that start a plain vLLM alike)
+            self.vllm_kwargs = dict(kwargs)
             LIVE.add(self)
             self._matmul_precision = torch.get_float32_matmul_precision()
         #: variables vLLM set for itself, put back for the host and set again around each call into vLLM
