@@ -36,8 +36,9 @@ MODELS = {"0.5b": "qwen2-0.5b", "1.5b": "qwen2-1.5b", "7b": "qwen2-7b"}
 #: seconds a step is expected to need per answer token, by model (for --budget-s), and a cell's start (engines
 #: up, CUDA graphs captured): seen on one H200 with 32 x 8 samples a step, vLLM's CUDA graphs and no memory
 #: options, the 0.5B step 15.8 s at 1,024 tokens, the 1.5B 5.5 s at 256 and the 7B 10.3 s at 256 and 47.4 s
-#: at 1,024 (tokens/s falls with the answer length: the training attention and the KV cache grow with it)
-STEP_TOKEN_S = {"0.5b": 0.016, "1.5b": 0.022, "7b": 0.047}
+#: at 1,024 (tokens/s falls with the answer length: the training attention and the KV cache grow with it); on
+#: an H100 (2026-12-07) the 1.5B 16.5 s at 1,024 with forced offload, the 7B 9.8 s at 256
+STEP_TOKEN_S = {"0.5b": 0.016, "1.5b": 0.018, "7b": 0.047}
 #: a cell's start by rollout engine: vLLM's on the H200; SGLang 0.5.17's first start on a fresh machine (an H100,
 #: 0.5B, ZeRO-3) spent 79 s compiling and capturing its piecewise prefill graphs (58 sizes) and then its decode
 #: graphs, and had not run a step 150 s in
