@@ -43,6 +43,22 @@ def timed(fn, repeats: int) -> tuple[float, int]:
     return statistics.median(times), tokens
 
 
+def request_params(vllm, sampling: SamplingParams, count: int, seeds: bool, logprobs: bool, flat: bool = True):
+    """vLLM's sampling parameters for `count` prompts as gearshift builds them, with a seed per request or not,
+    the sampled token's logprob or not, and logprobs as flat lists or vLLM's per-token dicts."""
+    from gearshift_vllm.requests import vllm_sampling
+
+    params = []
+    for i in range(count):
+        ps = vllm_sampling(vllm, sampling, i, 1 << 30, seeds)
+        if not logprobs:
+            ps.logprobs = None
+        if not flat and hasattr(ps, "flat_logprobs"):
+            ps.flat_logprobs = False
+        params.append(ps)
+    return params
+
+
 def engine_process(kwargs: dict, prompts: list[list[int]], n: int, max_tokens: int, repeats: int) -> list[str]:
     """Rows for a plain vLLM built with `kwargs` in a child process, its engine core in a process of its own."""
     import os
@@ -72,9 +88,10 @@ def child(spec_path: str) -> int:
     llm = vllm.LLM(**spec["kwargs"])
     requests = [{"prompt_token_ids": q} for q in spec["prompts"]]
 
+    sampling = SamplingParams(n=spec["n"], temperature=1.0, max_tokens=spec["max_tokens"], seed=0)
+
     def call(logprobs: bool):
-        params = vllm.SamplingParams(n=spec["n"], temperature=1.0, max_tokens=spec["max_tokens"],
-                                     logprobs=0 if logprobs else None, detokenize=False)
+        params = request_params(vllm, sampling, len(requests), False, logprobs)
         return lambda: sum(len(c.token_ids) for o in llm.generate(requests, params, use_tqdm=False) for c in o.outputs)
 
     for logprobs in (False, True):
@@ -102,8 +119,6 @@ def main() -> int:
     if args.child:
         return child(args.child)
 
-    from gearshift_vllm.requests import vllm_sampling
-
     options = {"max_batch_tokens": args.prompts * args.n * (args.prompt_tokens + args.max_tokens),
                **json.loads(args.options)}
     engine = registry.create("rollout", "vllm", model=resolve_model(args.model), **options)
@@ -117,14 +132,7 @@ def main() -> int:
 
     def raw(seeds: bool, logprobs: bool, flat: bool = True):
         def call() -> int:
-            params = []
-            for i, prompt in enumerate(prompts):
-                ps = vllm_sampling(vllm, sampling, i, 1 << 30, seeds)
-                if not logprobs:
-                    ps.logprobs = None
-                if not flat and hasattr(ps, "flat_logprobs"):
-                    ps.flat_logprobs = False
-                params.append(ps)
+            params = request_params(vllm, sampling, len(prompts), seeds, logprobs, flat)
             requests = [{"prompt_token_ids": q} for q in prompts]
             with engine._calling_vllm(generating=True):
                 outs = llm.generate(requests, params, use_tqdm=False)
