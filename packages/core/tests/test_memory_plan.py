@@ -199,6 +199,31 @@ def test_given_tags_have_their_host_buffers_at_start_and_always_move(monkeypatch
     assert all(r.phase("offload").bytes == 25 * GiB for r in actor.reports[::2])
 
 
+def test_the_rollout_engine_stays_awake_only_while_training_beside_it_costs_the_trainer_nothing(monkeypatch):
+    dev = Device(200 * GiB)
+    dev.patch(monkeypatch)
+
+    def run(bound_by_step):
+        trainer = Trainer(dev, {"params": 10 * GiB, "grads": 0, "optimizer": 20 * GiB}, activations=10 * GiB)
+        actor = HybridActor(trainer, Rollout(dev, weights=5 * GiB, kv=20 * GiB))
+        slept = []
+        for bound in bound_by_step:
+            actor.to_rollout()
+            report = actor.to_train()
+            slept.append(report.phase("sleep") is not None)
+            trainer.step()
+            trainer.memory_bound = bound  # what the step's micro-batching found
+        dev.mapped = 0  # the next run's rollout engine maps its own
+        return slept
+
+    # room for both: the engine stays awake once a training phase has been measured
+    assert run([False] * 4) == [True, False, False, False]
+    # a trainer sizing its micro-batches by free memory would get smaller ones beside it: it sleeps each time
+    assert run([True] * 4) == [True, True, True, True]
+    # awake until the micro-batches shrank beside it; then asleep for good, though they grew back asleep
+    assert run([False, False, True, False, False]) == [True, False, False, True, True]
+
+
 def test_activation_estimate_orders_its_cases():
     config = SimpleNamespace(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
                              num_key_value_heads=2, head_dim=64, vocab_size=151936)
@@ -224,6 +249,10 @@ def test_the_default_micro_batches_fit_free_memory_or_say_what_to_change(monkeyp
     monkeypatch.setattr(memory, "device_free", lambda d, cached=True: margin + 100 * per_token)
     assert engine.token_budget(batch) == 100  # the step's own gradients are on this CPU's host here: 0 bytes
     assert [len(rows) for _, rows in engine.micro_batches(batch)] == [2, 2, 2, 2]  # 2 rows of 40 a micro-batch
+    assert engine.memory_bound  # more memory, fewer micro-batches
+    monkeypatch.setattr(memory, "device_free", lambda d, cached=True: margin + 1000 * per_token)
+    assert engine.token_budget(batch) == 1000 and not engine.memory_bound  # the whole batch in one
+    monkeypatch.setattr(memory, "device_free", lambda d, cached=True: margin + 100 * per_token)
     monkeypatch.setattr(memory, "device_free", lambda d, cached=True: margin + 30 * per_token)
     with pytest.raises(MemoryPlanError, match="rows of 40 tokens need.*gradient_checkpointing=true"):
         engine.token_budget(batch)
@@ -253,6 +282,8 @@ def test_a_policy_that_cannot_train_with_the_device_to_itself_fails_at_start_nam
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d: SimpleNamespace(total_memory=100 * GiB))
     monkeypatch.setattr(memory, "release_cached", lambda d: 0)
     monkeypatch.setattr(memory, "device_free", lambda d, cached=True: 30 * GiB)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda d=None: (30 * GiB, 100 * GiB))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda d=None: 68 * GiB)  # all but a context: this run's
     monkeypatch.setattr(engine, "step_bytes", lambda: (GiB, 20 * GiB))
     memory.check_train_fits(engine, 40)  # 20 GiB of update and a 4 GiB margin in 30 GiB free
     monkeypatch.setattr(engine, "step_bytes", lambda: (GiB, 27 * GiB))
@@ -262,6 +293,10 @@ def test_a_policy_that_cannot_train_with_the_device_to_itself_fails_at_start_nam
         memory.check_train_fits(engine, 40)
     # only what can help: no rollout engine exists yet, and shorter rows do not shrink the optimizer's update
     assert not any(k in str(err.value) for k in ("gpu_memory_utilization", "switch.offload", "max_tokens"))
+    assert "held outside this run" not in str(err.value)
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda d=None: 50 * GiB)  # 18 GiB someone else's
+    with pytest.raises(MemoryPlanError, match=r"To change: free the 18.0 GiB of the device held outside this run"):
+        memory.check_train_fits(engine, 40)
     assert "model.dtype=bfloat16" in str(err.value)  # float32 weights here
     engine.dtype = torch.bfloat16
     with pytest.raises(MemoryPlanError) as err:

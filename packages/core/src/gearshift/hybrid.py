@@ -78,6 +78,7 @@ class HybridActor:
         self.rollout_awake = False
         self._offloaded: tuple[str, ...] = ()  # the tags the last switch to rollout moved to host memory
         self._train_peak: int | None = None  # device bytes the last training phase took beyond its state
+        self._squeezed = False  # a train phase beside the awake rollout engine had smaller micro-batches for it
         #: host bytes allocated at start for what the switches will move (0: nothing will move, or unknown)
         self.host_reserved = self._reserve_host() if self.on_gpu else 0
 
@@ -212,8 +213,17 @@ class HybridActor:
 
     def _keep_rollout_awake(self, report: SwitchReport) -> bool:
         """Whether training fits beside the awake rollout engine: the state it brings back plus what the
-        last training phase took beyond its state. Unknown (the first step, a CPU, given tags): it sleeps."""
+        last training phase took beyond its state. Unknown (the first step, a CPU, given tags): it sleeps.
+        A trainer that sizes its micro-batches by the memory free (`TrainEngine.memory_bound`) would only take
+        smaller ones beside the engine, trading a sleep and a wake (tens of ms) for a slower train phase: it
+        sleeps."""
         if not (self.auto and self.on_gpu) or self._train_peak is None or self.offload_params:
+            return False
+        bound = bool(getattr(self.train, "memory_bound", False))
+        # the last train phase ran beside the engine awake (`rollout_awake`) or asleep; squeezed once, it sleeps on
+        self._squeezed = self._squeezed or (self.rollout_awake and bound)
+        if bound or self._squeezed:
+            report.notes.append("rollout engine sleeps: the trainer's micro-batches are sized by free memory")
             return False
         need, free = self._offloaded_bytes + self._train_peak, device_free(self.train.device)
         awake = free >= need * MARGIN

@@ -219,7 +219,10 @@ class ModuleTrainEngine(TrainEngine):
 
         if self.device.type != "cuda":  # rows packed by length: less padding computed (memory.py says why)
             return memory.CPU_TOKENS_PER_MICRO_BATCH
-        return memory.engine_token_budget(self, int(batch.lengths.max()), training=training)
+        budget = memory.engine_token_budget(self, int(batch.lengths.max()), training=training)
+        if training:  # more free memory would have made fewer, larger micro-batches
+            self.memory_bound = budget < min(memory.MAX_AUTO_TOKENS, int(batch.lengths.sum()))
+        return budget
 
     def step_bytes(self) -> tuple[int, int]:
         """Device bytes a train step allocates beyond its activations and the state held now: the gradients

@@ -215,6 +215,9 @@ class TrainEngine(Buildable, ABC):
     mesh: MeshSpec
     #: the dtype forward and backward compute in, when below the weights' (None: `args.dtype`'s)
     compute_dtype: torch.dtype | None = None
+    #: the last train step's micro-batches were sized by the device memory free then, smaller than they would
+    #: be with more of it: the hybrid actor then puts the rollout engine to sleep during training, whatever fits
+    memory_bound: bool = False
 
     @abstractmethod
     def weight_spec(self) -> WeightSpec:
