@@ -59,6 +59,18 @@ def release_cached(device: torch.device) -> int:
     return max(int(before - torch.cuda.memory_reserved(device)), 0)
 
 
+#: device memory a process takes beyond its tensors (the CUDA context, kernels, cuBLAS workspaces): more than
+#: this held outside torch's allocator at start is taken to be another process's
+CONTEXT_BYTES = 2 * GiB
+
+
+def held_elsewhere(device: torch.device) -> int:
+    """Device bytes in use that torch's allocator in this process does not hold, less a CUDA context: before
+    a rollout engine starts, what other processes (a run not ended, a notebook) keep on the device."""
+    free, total = torch.cuda.mem_get_info(device)
+    return max(int(total - free - torch.cuda.memory_reserved(device)) - CONTEXT_BYTES, 0)
+
+
 def mlp_width(config) -> tuple[int, int]:
     """(the MLP width one token passes through in a layer, the experts it is routed to): a dense model's
     `intermediate_size`; in a mixture of experts the routed experts' widths (`num_experts_per_tok` of them) plus
@@ -165,6 +177,10 @@ def gpu_token_budget(config, device: torch.device, longest: int, *, training: bo
         knobs += [] if bf16 else ["train in bfloat16 (model.dtype=bfloat16)"]
         knobs += hints
         where = " (found at start, before the rollout engine took any memory)" if at_start else ""
+        others = held_elsewhere(device) if at_start else 0
+        if others > GiB:  # the first knob: end what else holds the device
+            knobs.insert(0, f"free the {others / GiB:.1f} GiB of the device held outside this run (another "
+                            "process? `nvidia-smi` lists them)")
         raise MemoryPlanError(
             f"a {'train step' if training else 'forward'} does not fit{where}: {what} beyond the state held, and "
             f"{free / GiB:.1f} GiB of device memory are free. To change: " + "; ".join(knobs))
