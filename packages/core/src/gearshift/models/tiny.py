@@ -203,4 +203,7 @@ def build_model(path: str | os.PathLike, preset: str | dict = "tiny", arch: str 
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     model.save_pretrained(str(path), safe_serialization=True)
     stamp.write_text(recipe)
+    if on_gpu:  # the weights' blocks would stay in this process's torch cache, which no other process can use
+        del model
+        torch.cuda.empty_cache()
     return str(path)
