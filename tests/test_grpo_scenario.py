@@ -114,3 +114,38 @@ def test_the_missing_cells_are_those_of_the_matrix_no_vllm_run_has_finished_to_s
     assert left["0.5b-256-fsdp-auto"].startswith("8 of 20 (fewer asked)")
     assert left["0.5b-256-fsdp-forced"] == "never run"  # an SGLang run is not the matrix's vLLM cell
     assert len(left) == 22
+
+
+def test_a_terminated_scenario_ends_the_running_cell_with_its_process_group(tmp_path):
+    """`timeout` around the script sends it SIGTERM: the cell's `gearshift train` (in a session of its own, out
+    of reach of the signal) must not run on holding the GPU."""
+    import json
+    import os
+    import signal
+    import subprocess
+
+    pid_file = tmp_path / "cell.pid"
+    (tmp_path / "cell.py").write_text(f"import os, time\nopen({str(pid_file)!r}, 'w').write(str(os.getpid()))\n"
+                                      "print('up', flush=True)\ntime.sleep(60)\n")
+    (tmp_path / "driver.py").write_text(
+        "import importlib.util, json, signal, sys\n"
+        f"spec = importlib.util.spec_from_file_location('s', {str(SCRIPT)!r})\n"
+        "s = importlib.util.module_from_spec(spec)\nspec.loader.exec_module(s)\n"
+        "signal.signal(signal.SIGTERM, s._terminate)\n"
+        f"code, out = s.run_cell([sys.executable, {str(tmp_path / 'cell.py')!r}], timeout=60)\n"
+        "print(json.dumps([code, out, s.terminated]))\n")
+    proc = subprocess.Popen([sys.executable, str(tmp_path / "driver.py")], stdout=subprocess.PIPE, text=True)
+    deadline = time.time() + 30
+    while not pid_file.exists() and time.time() < deadline:
+        time.sleep(0.1)
+    child = int(pid_file.read_text())
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=30)
+    code, output, terminated = json.loads(out.strip().splitlines()[-1])
+    assert code == load().STOPPED and "up" in output and terminated
+    try:
+        os.kill(child, 0)  # a zombie no more: the driver reaped it
+        alive = True
+    except ProcessLookupError:
+        alive = False
+    assert not alive, "the cell's process outlived the terminated scenario"

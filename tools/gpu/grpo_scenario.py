@@ -114,18 +114,34 @@ def summarize(c: dict, rows: list[dict], code: int, seconds: float, tail: str) -
 STOPPED = 124
 
 
+class Terminated(Exception):
+    """This script was asked to end (SIGTERM: a `timeout` around it, a job stopped)."""
+
+
+def _terminate(signum, frame):
+    raise Terminated
+
+
 def run_cell(cmd: list[str], timeout: float | None) -> tuple[int, str]:
-    """Run one cell's `gearshift train` in its own process group; past `timeout` seconds the group is killed
-    and the code is `STOPPED`. Returns the exit code and the output."""
+    """Run one cell's `gearshift train` in its own process group; past `timeout` seconds, or when this script
+    is terminated (`Terminated`, raised by its SIGTERM handler), the group is killed and the code is `STOPPED`:
+    a cell's run never outlives the script to hold the GPU. Returns the exit code and the output."""
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env={**os.environ, "PYTHONUNBUFFERED": "1"}, start_new_session=True)
     try:
         output, _ = proc.communicate(timeout=timeout)
         return proc.returncode, output
-    except subprocess.TimeoutExpired:
+    except (subprocess.TimeoutExpired, Terminated) as stop:
         os.killpg(proc.pid, signal.SIGKILL)
         output, _ = proc.communicate()
+        if isinstance(stop, Terminated):
+            global terminated
+            terminated = True
         return STOPPED, output
+
+
+#: set once SIGTERM ended a cell: no further cell starts
+terminated = False
 
 
 def fmt(v, spec=".2f"):
@@ -148,7 +164,11 @@ def main() -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     start, results, skipped = time.time(), [], []
+    signal.signal(signal.SIGTERM, _terminate)
     for cell in [parse_cell(c) for c in args.cells.split(",") if c]:
+        if terminated:
+            skipped.append(cell["cell"])
+            continue
         need = expected_s(cell, args.steps, args.rollout)
         left = args.budget_s - (time.time() - start) if args.budget_s else None
         if left is not None and not results and need > left:
@@ -171,8 +191,9 @@ def main() -> int:
         result = summarize(cell, rows, code, time.time() - t0, output)
         result["per_step"] = rows
         results.append(result)
+        why = " (terminated)" if terminated else " (stopped at the time budget)"
         print(f"[{cell['cell']}] exit {code}, {len(rows)} steps in {time.time() - t0:.0f} s"
-              + (" (stopped at the time budget)" if code == STOPPED else ""), flush=True)
+              + (why if code == STOPPED else ""), flush=True)
         if code and code != STOPPED:
             print(result["error"][-1200:], flush=True)
     (out / "scenario.json").write_text(json.dumps({"cells": results, "not_run": skipped}, indent=1))
@@ -187,7 +208,7 @@ def main() -> int:
                           fmt(r["kv_wake_s"], ".3f"), fmt(r["peak_gb"], ".1f"), fmt(r["moved_gb"], ".1f"),
                           fmt(r["slept"], ".0f"), fmt(r["micro_batches"], ".0f"), fmt(r["tokens_per_s"], ".0f")]))
     if skipped:
-        print(f"not run (time budget): {','.join(skipped)}")
+        print(f"not run ({'terminated' if terminated else 'time budget'}): {','.join(skipped)}")
     return 0 if all(r["exit"] == 0 for r in results) else 1
 
 
