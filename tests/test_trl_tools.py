@@ -99,6 +99,8 @@ def test_the_trl_section_follows_the_shape_unless_told():
     on_gpu = trl_h200.trl_section(args, s, True)
     assert on_gpu["use_vllm"] and on_gpu["bf16"] and on_gpu["micro_batch"] == 8 and on_gpu["vllm_enable_sleep_mode"]
     assert on_gpu["vllm_max_model_length"] == 320 and not on_gpu["gradient_checkpointing"]
+    assert trl_h200.trl_section(args, s, True, device_gib=79.2)["micro_batch"] == 4  # an H100: 8 did not fit
+    assert trl_h200.trl_section(args, s, True, device_gib=139.8)["micro_batch"] == 8
     assert not on_gpu["importance_sampling"], "like gearshift's rollout_correction=none unless asked"
     as_it_comes = trl_h200.parser().parse_args(["run", "--shape", "7b", "--trl-gradient-checkpointing",
                                                 "--trl-importance-sampling"])

@@ -63,10 +63,12 @@ UNEQUAL = [
     "figures",
 ]
 
-#: TRL's knobs by shape where a run on one H200 needs them (gearshift finds its own)
+#: TRL's knobs by shape where a run on one H200 needs them (gearshift finds its own); `under_100gb`: what a card
+#: of 80 GB needs instead (at 7B, 8 rows of 320 tokens a micro-batch beside 60 GB of bf16 weights, gradients
+#: and Adam moments do not fit an H100; 4 ran, 2026-12-07)
 TRL_SHAPE = {"0.5b": {"micro_batch": 32, "vllm_enable_sleep_mode": False},
              "1.5b": {"micro_batch": 16, "vllm_enable_sleep_mode": False},
-             "7b": {"micro_batch": 8, "vllm_enable_sleep_mode": True}}
+             "7b": {"micro_batch": 8, "vllm_enable_sleep_mode": True, "under_100gb": {"micro_batch": 4}}}
 
 
 def steady(ends: list[float], skip: int = 2) -> list[float]:
@@ -205,11 +207,13 @@ def jsonl(path: Path) -> list[dict]:
     return [json.loads(x) for x in path.read_text().splitlines() if x.strip().endswith("}")]
 
 
-def trl_section(args, s: dict, gpu: bool) -> dict:
+def trl_section(args, s: dict, gpu: bool, device_gib: float | None = None) -> dict:
     """TRL's own knobs for the job (tools/trl_side.py reads them): vLLM colocated on a GPU, bf16 there, the
     micro-batch and the memory settings of the shape unless given, and no importance-sampling correction unless
     asked (`--trl-gradient-checkpointing --trl-importance-sampling` is TRL's GRPOConfig as it comes)."""
     shape = TRL_SHAPE[args.shape]
+    if gpu and device_gib is not None and device_gib < 100:
+        shape = {**shape, **shape.get("under_100gb", {})}
     return {"use_vllm": {"on": True, "off": False, "auto": gpu}[args.trl_vllm], "bf16": gpu,
             "model_dtype": s["model_dtype"],
             "micro_batch": min(args.trl_micro_batch or shape["micro_batch"], s["prompts"] * s["n"]),
@@ -234,7 +238,9 @@ def run(args) -> int:
     import torch
 
     gpu = torch.cuda.is_available()
-    job.update(device="cuda" if gpu else "cpu", threads=0 if gpu else 1, trl=trl_section(args, job["settings"], gpu))
+    gib = torch.cuda.get_device_properties(0).total_memory / 2**30 if gpu else None
+    job.update(device="cuda" if gpu else "cpu", threads=0 if gpu else 1,
+               trl=trl_section(args, job["settings"], gpu, gib))
     job_file = out / f"job-{args.seed}.json"
     job_file.write_text(json.dumps(job, indent=1))
     budget = args.budget_s
@@ -308,7 +314,9 @@ def parser() -> argparse.ArgumentParser:
     r.add_argument("--trl-vllm", choices=("auto", "on", "off"), default="auto",
                    help="TRL generates with colocated vLLM (auto: on a GPU) or its own generate()")
     r.add_argument("--trl-micro-batch", type=int, help="TRL's per_device_train_batch_size (default by shape: "
-                   + ", ".join(f"{k} {v['micro_batch']}" for k, v in TRL_SHAPE.items()) + ")")
+                   + ", ".join(f"{k} {v['micro_batch']}" + (f" ({v['under_100gb']['micro_batch']} on a card under "
+                                                             "100 GB)" if "under_100gb" in v else "")
+                               for k, v in TRL_SHAPE.items()) + ")")
     r.add_argument("--trl-gradient-checkpointing", action="store_true",
                    help="TRL recomputes activations (GRPOConfig's default)")
     r.add_argument("--trl-importance-sampling", action="store_true",
