@@ -114,6 +114,10 @@ def summarize(c: dict, rows: list[dict], code: int, seconds: float, tail: str) -
 STOPPED = 124
 
 
+#: set once SIGTERM ended a cell: no further cell starts
+terminated = False
+
+
 class Terminated(Exception):
     """This script was asked to end (SIGTERM: a `timeout` around it, a job stopped)."""
 
@@ -138,10 +142,6 @@ def run_cell(cmd: list[str], timeout: float | None) -> tuple[int, str]:
             global terminated
             terminated = True
         return STOPPED, output
-
-
-#: set once SIGTERM ended a cell: no further cell starts
-terminated = False
 
 
 def fmt(v, spec=".2f"):

@@ -36,8 +36,9 @@ EOF
     done ;;
   scenario)
     # LIMIT backs up BUDGET (the script stops its own cells at the budget); on SIGTERM it ends the running cell
-    timeout "${LIMIT:-$(( ${BUDGET:-540} + 30 ))}" python3 tools/gpu/grpo_scenario.py --cells "${CELLS:-7b-256-fsdp-auto}" \
-      --steps "${STEPS:-20}" --budget-s "${BUDGET:-540}" --out "$out/scenario" ${SET:+--set "$SET"} 2>&1 | quiet | tail -40
+    timeout "${LIMIT:-$(( ${BUDGET:-540} + 30 ))}" python3 tools/gpu/grpo_scenario.py \
+      --cells "${CELLS:-7b-256-fsdp-auto}" --steps "${STEPS:-20}" --budget-s "${BUDGET:-540}" \
+      --out "$out/scenario" ${SET:+--set "$SET"} 2>&1 | quiet | tail -40
     cp "$out/scenario/scenario.json" "$out/scenario-${TAG:-run}.json" 2>/dev/null ;;
   conformance)
     for pair in ${PAIRS:-fsdp/vllm deepspeed/vllm fsdp/hf deepspeed/hf}; do
