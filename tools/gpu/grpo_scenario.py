@@ -189,6 +189,8 @@ def main() -> int:
         path = run_dir / "metrics.jsonl"
         rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
         result = summarize(cell, rows, code, time.time() - t0, output)
+        if terminated:
+            result["error"] = f"terminated after {len(rows)} steps"
         result["per_step"] = rows
         results.append(result)
         why = " (terminated)" if terminated else " (stopped at the time budget)"
