@@ -224,12 +224,13 @@ class HybridActor:
         self._squeezed = self._squeezed or (self.rollout_awake and bound)
         if bound or self._squeezed:
             report.notes.append("rollout engine sleeps: the trainer's micro-batches are sized by free memory")
-            return False
-        need, free = self._offloaded_bytes + self._train_peak, device_free(self.train.device)
-        awake = free >= need * MARGIN
-        report.notes.append(f"rollout engine {'stays awake' if awake else 'sleeps'}: training needs "
-                            f"{need / GiB:.1f} GiB, {free / GiB:.1f} GiB free")
-        return awake
+            awake = False
+        else:
+            need, free = self._offloaded_bytes + self._train_peak, device_free(self.train.device)
+            awake = free >= need * MARGIN
+            report.notes.append(f"rollout engine {'stays awake' if awake else 'sleeps'}: training needs "
+                                f"{need / GiB:.1f} GiB, {free / GiB:.1f} GiB free")
+        return gdist.all_ranks(awake)  # every rank's engine the same way, whatever each rank's memory says
 
     def set_mode(self, mode: str) -> SwitchReport | None:
         """Switch to `mode` ("train" or "rollout"); nothing happens if already there."""
