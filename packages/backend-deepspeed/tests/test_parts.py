@@ -10,7 +10,7 @@ from gearshift.module_train import ModuleTrainEngine
 from gearshift.sharding import Sharding
 
 from gearshift_deepspeed.config import deepspeed_config, merge
-from gearshift_deepspeed.engine import DeepSpeedTrainEngine, compute_dtype
+from gearshift_deepspeed.engine import DeepSpeedTrainEngine, compute_dtype, one_rank_note
 from gearshift_deepspeed.runtime import import_deepspeed
 from gearshift_deepspeed.sharding import ZeroSharding
 
@@ -22,6 +22,15 @@ def test_registered_as_train_backend_deepspeed():
 def test_built_on_the_core_through_public_names_only():
     assert private_overrides(DeepSpeedTrainEngine, ModuleTrainEngine) == []
     assert private_overrides(ZeroSharding, Sharding) == []
+
+
+def test_zero3_on_one_gpu_says_what_it_costs_and_what_else_to_take():
+    gpu, cpu = torch.device("cuda"), torch.device("cpu")
+    assert "zero_stage=1 or 2" in one_rank_note(3, 1, gpu, offload_params=False)
+    assert one_rank_note(3, 2, gpu, False) is None  # partitions over two ranks
+    assert one_rank_note(2, 1, gpu, False) is None
+    assert one_rank_note(3, 1, gpu, True) is None  # ZeRO-Offload of the weights needs stage 3
+    assert one_rank_note(3, 1, cpu, False) is None  # the CPU tests run stage 3 on one rank throughout
 
 
 def test_config_owns_accumulation_and_sets_clipping_explicitly():

@@ -15,6 +15,7 @@ one bucket of gathered weights. The engine adds DeepSpeed's own offload
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -29,6 +30,8 @@ from .checkpoint import load_checkpoint, save_checkpoint
 from .offload import ZeroOffloader
 from .runtime import import_deepspeed, release
 from .sharding import ZeroSharding, update_bytes
+
+logger = logging.getLogger(__name__)
 
 
 class DeepSpeedTrainEngine(ModuleTrainEngine):
@@ -74,6 +77,9 @@ class DeepSpeedTrainEngine(ModuleTrainEngine):
             gather_partitions=not options.lora_r)  # LoRA's merge reads whole parameters: GatheredParameters
         self.zero_stage = sharding.zero_stage
         super().__init__(args, options, sharding)
+        note = one_rank_note(self.zero_stage, self.mesh.world_size, device, options.offload_params)
+        if note:
+            logger.warning(note)
         self.ds = sharding.engine
         self._offloader = ZeroOffloader(self.ds, frozen=self.frozen)
 
@@ -142,3 +148,13 @@ def compute_dtype(param_dtype: str | None, dtype: torch.dtype, device: torch.dev
         raise ValueError(f"weights loaded in bfloat16 cannot compute in {chosen}: load them in float32 "
                          f"(dtype='float32') or compute in bfloat16")
     return chosen
+
+
+def one_rank_note(zero_stage: int, world: int, device: torch.device, offload_params: bool) -> str | None:
+    """What to say when ZeRO-3 runs on one GPU: it partitions nothing there, yet fetches and releases every
+    module's weights around each micro-batch's forward and backward, host work that stages 1 and 2 skip."""
+    if zero_stage != 3 or world != 1 or device.type != "cuda" or offload_params:
+        return None
+    return ("deepspeed: ZeRO-3 on one GPU partitions nothing and costs host time in every micro-batch (the "
+            "fetch and release of each module's weights); zero_stage=1 or 2 trains the same where its whole "
+            "gradients fit (the run's memory check says so at start), or train.backend=fsdp")
