@@ -27,6 +27,16 @@ def test_the_estimate_grows_with_the_answer_length_and_covers_the_7b_1024_cell_s
     assert s.expected_s(s.parse_cell("0.5b-1024-fsdp-auto"), 20) < s.expected_s(cell, 20)
 
 
+def test_the_estimate_counts_zero3s_slower_step_at_the_larger_shapes():
+    s = load()
+    # seen on an H100: 29.2 s a step at 1.5B x 1024 with deepspeed forced, 16.5 s with fsdp
+    assert s.expected_s(s.parse_cell("1.5b-1024-deepspeed-forced"), 20) > 20 * 29
+    fsdp = s.expected_s(s.parse_cell("1.5b-1024-fsdp-forced"), 20) - s.START_S["vllm"]
+    assert 20 * 16 < fsdp < 20 * 20
+    assert s.expected_s(s.parse_cell("0.5b-256-deepspeed-auto"), 20) == s.expected_s(
+        s.parse_cell("0.5b-256-fsdp-auto"), 20)
+
+
 def test_the_estimate_counts_sglangs_slower_first_start():
     s = load()
     cell = s.parse_cell("0.5b-256-deepspeed-forced")
