@@ -123,6 +123,8 @@ def test_the_missing_cells_are_those_of_the_matrix_no_vllm_run_has_finished_to_s
     assert left["7b-1024-fsdp-auto"] == "19 of 20 (budget), 2026-12-05 H100"
     assert left["0.5b-256-fsdp-auto"].startswith("8 of 20 (fewer asked)")
     assert left["0.5b-256-fsdp-forced"] == "never run"  # an SGLang run is not the matrix's vLLM cell
+    stopped = {**base, "cell": "1.5b-1024-deepspeed-auto", "steps": 17, "exit": 124, "error": "terminated after 17"}
+    assert dict(table.missing(rows + [stopped]))["1.5b-1024-deepspeed-auto"] == "17 of 20 (stopped), 2026-12-05 H100"
     assert len(left) == 22
 
 

@@ -67,9 +67,17 @@ def missing(rows: list[dict], steps: int = 20, rollout: str = "vllm") -> list[tu
         if r is None:
             left.append((cell, "never run"))
         elif r.get("exit") != 0 or r["steps"] < steps:
-            why = "budget" if r.get("exit") == 124 else "failed" if r.get("exit") else "fewer asked"
-            left.append((cell, f"{r['steps']} of {steps} ({why}), {r['date']} {r['device'].upper()}"))
+            left.append((cell, f"{r['steps']} of {steps} ({ended(r)}), {r['date']} {r['device'].upper()}"))
     return left
+
+
+def ended(r: dict) -> str:
+    """Why a run stopped short: the time budget, stopped otherwise (terminated, a limit around the script),
+    failed, or fewer steps asked."""
+    if r.get("exit") == 124:
+        error = r.get("error") or "stopped at the time budget"
+        return "budget" if error.startswith("stopped at the time budget") else "stopped"
+    return "failed" if r.get("exit") else "fewer asked"
 
 
 def _f(v, spec=".2f", unit=""):
@@ -77,7 +85,7 @@ def _f(v, spec=".2f", unit=""):
 
 
 def row(r: dict) -> str:
-    finished = r["steps"] if r.get("exit") == 0 else f"{r['steps']} ({'budget' if r.get('exit') == 124 else 'failed'})"
+    finished = r["steps"] if r.get("exit") == 0 else f"{r['steps']} ({ended(r)})"
     offload = "-" if r.get("first_offload_s") is None else \
         f"{_f(r['first_offload_s'], '.2f', ' s')} / {_f(r.get('steady_offload_s'), '.2f', ' s')}"
     slept = {None: "-", 0: "no", 1: "yes"}.get(r.get("slept"), _f(r.get("slept"), ".1f"))
