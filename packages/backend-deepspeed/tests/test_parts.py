@@ -84,3 +84,21 @@ def test_an_engine_built_after_the_group_was_destroyed_elsewhere_trains(gearshif
         engine.close()
         dist.destroy_process_group()
     assert losses[0] == losses[1]
+
+
+@pytest.mark.skipif("WORLD_SIZE" in __import__("os").environ, reason="one process writes and reads the checkpoint")
+def test_a_checkpoint_of_another_zero_stage_is_refused_naming_the_stage(gearshift_model, tmp_path):
+    """DeepSpeed's own load of a stage-2 checkpoint into a stage-3 engine (or back) stops at a bare
+    AssertionError; the engine says which stage wrote it and what to set."""
+    from gearshift.conformance.train import fixed_batch, nll
+
+    writer = DeepSpeedTrainEngine.build(gearshift_model, lr=1e-2, zero_stage=2)
+    writer.train_step(fixed_batch(), nll)
+    writer.save(str(tmp_path / "ckpt"))
+    writer.close()
+    reader = DeepSpeedTrainEngine.build(gearshift_model, lr=1e-2, zero_stage=3)
+    try:
+        with pytest.raises(ValueError, match=r"saved at ZeRO stage 2 .*train\.options\.zero_stage=2"):
+            reader.load(str(tmp_path / "ckpt"))
+    finally:
+        reader.close()

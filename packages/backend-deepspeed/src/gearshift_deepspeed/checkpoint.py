@@ -51,6 +51,10 @@ def load_checkpoint(engine, path: str) -> None:
         raise FileNotFoundError(f"{path} is not a checkpoint of the deepspeed train backend (no {META})")
     with open(meta_path) as f:
         meta = json.load(f)
+    saved, stage = meta.get("zero_stage"), engine.zero_optimization_stage()
+    if saved is not None and saved != stage:  # DeepSpeed's own load stops at a bare AssertionError
+        raise ValueError(f"{path} was saved at ZeRO stage {saved} and this engine runs stage {stage}: resume it "
+                         f"with zero_stage={saved} (train.options.zero_stage={saved})")
     # a checkpoint without the frozen parameters leaves them as the engine was built
     strict = not meta.get("trainable_only", False)
     if meta["dp"] == gdist.world_size():
