@@ -110,6 +110,7 @@ def summarize(c: dict, rows: list[dict], code: int, seconds: float, tail: str) -
                                                                       default=None),
             "moved_gb": med("switch/offload_gb"), "slept": med("switch/rollout_slept"),
             "micro_batches": med("train/micro_batches"), "tokens_per_s": med("rollout/tokens_per_s"),
+            "train_tflops": med("perf/train_tflops"), "mfu": med("perf/mfu"),
             "error": None if code == 0 else (f"stopped at the time budget after {len(rows)} steps" if code == STOPPED
                                              else tail[-2000:])}
 
@@ -205,14 +206,15 @@ def main() -> int:
     (out / "scenario.json").write_text(json.dumps({"cells": results, "not_run": skipped}, indent=1))
     print(f"rollout: {args.rollout}")
     head = ("cell", "exit", "steps", "step s", "rollout", "old lp", "train", "switches", "1st offload", "offload",
-            "kv wake", "peak GB", "moved GB", "slept", "mbs", "tok/s")
+            "kv wake", "peak GB", "moved GB", "slept", "mbs", "tok/s", "train TFLOP/s", "MFU")
     print(" | ".join(head))
     for r in results:
         print(" | ".join([r["cell"], str(r["exit"]), str(r["steps"]), fmt(r["step_s"]), fmt(r["rollout_s"]),
                           fmt(r["old_logprobs_s"]), fmt(r["train_s"]), fmt(r["switch_s"], ".3f"),
                           fmt(r["first_offload_s"], ".3f"), fmt(r["steady_offload_s"], ".3f"),
                           fmt(r["kv_wake_s"], ".3f"), fmt(r["peak_gb"], ".1f"), fmt(r["moved_gb"], ".1f"),
-                          fmt(r["slept"], ".0f"), fmt(r["micro_batches"], ".0f"), fmt(r["tokens_per_s"], ".0f")]))
+                          fmt(r["slept"], ".0f"), fmt(r["micro_batches"], ".0f"), fmt(r["tokens_per_s"], ".0f"),
+                          fmt(r.get("train_tflops"), ".0f"), fmt(r.get("mfu"), ".1%")]))
     if skipped:
         print(f"not run ({'terminated' if terminated else 'time budget'}): {','.join(skipped)}")
     return 0 if all(r["exit"] == 0 for r in results) else 1

@@ -252,7 +252,7 @@ def run(args) -> int:
         rows = jsonl(gs_dir / "metrics.jsonl")
         phases = grpo_scenario.summarize(cell, rows, code or 0, wall, "")
         keep = ("step_s", "rollout_s", "old_logprobs_s", "train_s", "switch_s", "kv_wake_s", "peak_gb",
-                "micro_batches", "tokens_per_s")
+                "micro_batches", "tokens_per_s", "train_tflops", "mfu")
         result = side_result("gearshift", ends, rows, args.skip, code, wall, args.steps, {
             "metrics": {k: phases[k] for k in keep}, "per_step": rows,
             "log_tail": (out / "gearshift.log").read_text()[-3000:] if code else ""})

@@ -97,3 +97,14 @@ def test_bench_train_profiles_a_step_in_the_dtype_asked(gearshift_model, capsys)
     out = capsys.readouterr().out
     assert "operators (own CPU time) with the most time" in out  # no CUDA here: the CPU's operators
     assert "profiled_s" in out and " bfloat16 " in out
+
+
+def test_bench_train_reports_the_model_flops_of_a_step_over_its_time(gearshift_model, monkeypatch):
+    from gearshift.bench.train import measure_train, train_batch
+    from gearshift.flops import PEAK_ENV, ModelFlops
+
+    monkeypatch.setenv(PEAK_ENV, "2")
+    row, = measure_train(["torch"], gearshift_model, batch_size=4, seq_len=16, min_len=6, steps=1)
+    flops = ModelFlops.of_model(gearshift_model).train(train_batch(4, 16, 6).lengths.tolist())
+    assert row["train_tflops"] == pytest.approx(flops / row["seconds_per_step"] / 1e12, rel=1e-9)
+    assert row["mfu"] == pytest.approx(row["train_tflops"] / 2, rel=1e-9)

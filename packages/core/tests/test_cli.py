@@ -92,6 +92,7 @@ def test_bench_step_splits_a_step_into_its_phases_and_the_loops_own_time(gearshi
     assert "rollout" in printed and "loop" in printed and "% of the step" in printed
     result = json.loads(out.read_text())
     assert result["steps"] == 2 and {"step", "rollout", "reward", "train", "loop"} <= set(result)
+    assert result["train_tflops"] > 0 and "train TFLOP/s" in printed  # no MFU: a CPU has no peak in the table
     parts = sum(result.get(k, 0) for k in ("rollout", "reward", "train", "switch_to_rollout", "switch_to_train"))
     assert result["loop"] == pytest.approx(result["step"] - parts, abs=0.05 * result["step"] + 1e-3)
     assert len(closed) == 1  # its engines closed before the interpreter's exit (vLLM's finalizer, else)

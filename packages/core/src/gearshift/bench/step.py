@@ -44,6 +44,10 @@ def measure_steps(config_path: str | None, overrides: list[str], steps: int = 5,
     loop = [r["time/step"] - sum(r.get(f"time/{n}", 0.0) for n in STEP_PHASES) for r in kept]
     out["loop"] = statistics.median(loop)
     out["tokens_per_s"] = statistics.median(r["rollout/tokens_per_s"] for r in kept)
+    for key in ("train_tflops", "mfu"):  # the train phase's model FLOPs a second (gearshift.flops)
+        vals = [r[f"perf/{key}"] for r in kept if f"perf/{key}" in r]
+        if vals:
+            out[key] = statistics.median(vals)
     return out
 
 
@@ -60,6 +64,9 @@ def bench_step(args: argparse.Namespace) -> int:
             share = "" if name == "step" else f"  {100 * secs / step:5.1f}% of the step"
             print(f"  {name:<18}{secs:9.4f} s{share}")
         print(f"  {'rollout tokens/s':<18}{result['tokens_per_s']:9.0f}")
+        if "train_tflops" in result:
+            mfu = f"  MFU {100 * result['mfu']:.1f}% of the device's peak" if "mfu" in result else ""
+            print(f"  {'train TFLOP/s':<18}{result['train_tflops']:9.4g}{mfu}")
         if args.out:
             Path(args.out).parent.mkdir(parents=True, exist_ok=True)
             Path(args.out).write_text(json.dumps(result, indent=1))

@@ -7,6 +7,7 @@ import argparse
 import torch
 
 from .. import dist as gdist, registry
+from ..flops import engine_train_flops, train_rates
 from ..options import json_object, positive_int
 from ..profiler import peak_memory_bytes, reset_peak_memory
 from .report import print_rows
@@ -64,7 +65,8 @@ def measure_train(names: list[str], model: str, batch_size: int = 16, seq_len: i
     engine computed (from its `pad_frac` metric; '-' for an engine that does not report it). Each of
     `meshes` ('' for the default, 'sp=2', 'tp=2', ...) gets its rows, every rank given the whole batch;
     step_peak_mb is what one step allocates beyond what it started with (activations, gradients),
-    measured in an extra step. `dtype` is the weights' dtype (None: the engine's default); `profile` runs
+    measured in an extra step; train_tflops is the model FLOPs of a step (`gearshift.flops`) over its median
+    time, mfu their share of the device's peak where it is known. `dtype` is the weights' dtype (None: the engine's default); `profile` runs
     one more step under torch.profiler and adds where its device time went (`gearshift.bench.kernels`).
     """
     from ..train import nll_loss
@@ -86,12 +88,15 @@ def measure_train(names: list[str], model: str, batch_size: int = 16, seq_len: i
         step_peak = step_peak_bytes(lambda: engine.train_step(batch, nll_loss))
         pad = metrics.get("pad_frac")
         kinds = profile_kinds(lambda: engine.train_step(batch, nll_loss)) if profile else None
+        flops = engine_train_flops(engine, batch.lengths.tolist())
+        rates = train_rates(flops, secs, engine.device) if flops else {}
         rows.append({"backend": name, **({"mesh": str(engine.mesh)} if meshes != ("",) else {}),
                      "model": model, "dtype": engine.args.dtype, "batch": batch_size, "seq_len": seq_len,
                      "micro_batch_size": "-" if budget else micro_batch_size or "-", "max_tokens": budget or "-",
                      "micro_batches": int(metrics.get("micro_batches", 0)) or "-",
                      "pad_share": pad if pad is not None else "-",
                      "seconds_per_step": secs, "steps_per_s": 1 / secs, "tokens_per_s": real_tokens / secs,
+                     "train_tflops": rates.get("perf/train_tflops", "-"), "mfu": rates.get("perf/mfu", "-"),
                      "peak_gb": peak_memory_bytes() / 1e9, "step_peak_mb": step_peak / 2**20,
                      **(kinds_row(kinds) if kinds else {})})
         if kinds:

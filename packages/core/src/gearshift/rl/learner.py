@@ -10,10 +10,12 @@ every rank after the rollout; with training on its own pool
 from __future__ import annotations
 
 import statistics
+import time
 from typing import Callable, ContextManager, Sequence
 
 import torch
 
+from ..flops import add_flops, engine_train_flops, train_rates
 from ..rollout import Rollout
 from ..train import TrainBatch, TrainEngine
 from .algos import (
@@ -172,6 +174,8 @@ class Learner:
             out["critic/explained_var"] = float(1 - (returns - values)[m].var() / var) if var > 0 else 0.0
             out["critic/values_mean"] = float(values[m].mean()) if m.any() else 0.0
         critic_epochs = a.critic_epochs or a.epochs
+        trained: list[tuple[TrainEngine, list[int]]] = []  # each train step's engine and row lengths
+        start = time.perf_counter()
         with timed("train"):
             for epoch in range(max(a.epochs, critic_epochs)):
                 for index, mini in enumerate(batch.micro_batches(mini_size)):
@@ -184,10 +188,18 @@ class Learner:
                     metrics: dict[str, float] = {}
                     if policy_learns and epoch < a.epochs:
                         metrics.update(self.policy.train_step(mini, self.policy_loss))
+                        trained.append((self.policy, mini.lengths.tolist()))
                     if self.critic is not None and epoch < critic_epochs:
                         critic_m = self.critic.train_step(mini, self.value_loss)
                         metrics.update({f"critic/{k}": v for k, v in critic_m.items()})
+                        trained.append((self.critic, mini.lengths.tolist()))
                     train_metrics.append(metrics)
+        seconds = time.perf_counter() - start  # `timed` waits for the device: the phase's time/train
+        flops: float | None = 0.0  # its model FLOPs (None: an engine's model has no count)
+        for engine, lengths in trained:
+            flops = add_flops(flops, engine_train_flops(engine, lengths))
+        if flops:
+            out.update(train_rates(flops, seconds, self.policy.device))
         keys = {k for m in train_metrics for k in m}
         out.update({f"train/{k}": _mean([m[k] for m in train_metrics if k in m]) for k in sorted(keys)})
         if rollout_lp is not None:
