@@ -102,3 +102,11 @@ def test_a_checkpoint_of_another_zero_stage_is_refused_naming_the_stage(gearshif
             reader.load(str(tmp_path / "ckpt"))
     finally:
         reader.close()
+
+
+def test_compile_is_refused_before_deepspeed_starts_naming_fsdp(gearshift_model, monkeypatch):
+    import gearshift_deepspeed.sharding as zero
+
+    monkeypatch.setattr(zero, "initialize", lambda *a, **k: pytest.fail("DeepSpeed started"))
+    with pytest.raises(ValueError, match="train.options.compile.*use train.backend=fsdp"):
+        DeepSpeedTrainEngine.build(gearshift_model, compile=True)

@@ -220,3 +220,28 @@ def test_one_rank_keeps_fsdp_where_it_casts_or_offloads_and_plain_says_why_it_ca
     assert build(gearshift_model, one_rank="plain").plain
     with pytest.raises(ValueError, match="one_rank='plain' trains the module as it is.*use one_rank='fsdp'"):
         build(gearshift_model, one_rank="plain", param_dtype="bfloat16")
+
+
+def test_compiled_layers_train_like_the_uncompiled_ones_and_tp_or_sp_refuse_them(gearshift_model, tmp_path,
+                                                                                 monkeypatch):
+    """`compile`: each layer's forward compiled, under FSDP2's hooks (its unsharding stays outside the compiled
+    code); a mesh with tp or sp, whose collectives run inside a layer, refuses it."""
+    if not PLAIN_DP:
+        with pytest.raises(ValueError, match="compiles the layers of a data-parallel mesh"):
+            build(gearshift_model, compile=True)
+        return
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    torch._dynamo.reset()
+    from gearshift.layers import decoder_layers
+
+    eager, compiled = build(gearshift_model), build(gearshift_model, compile=True)
+    assert all(getattr(layer.forward, "_gearshift_compiled", False) for layer in decoder_layers(compiled.model))
+    losses = [e.train_step(fixed_batch(), nll)["loss"] for e in (eager, compiled)]
+    assert losses[1] == pytest.approx(losses[0], rel=1e-6)
+
+    def grads(engine):  # whole gradients (Adam's update magnifies float rounding where a gradient is near 0)
+        return {n: getattr(p.grad, "full_tensor", lambda: p.grad)() for n, p in engine.trained.items()}
+
+    want, got = grads(eager), grads(compiled)
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=1e-4, atol=1e-6, msg=name)

@@ -9,7 +9,7 @@ from gearshift.module_train import ModuleTrainEngine
 from gearshift.sharding import Sharding
 
 from gearshift_fsdp.engine import FSDPTrainEngine
-from gearshift_fsdp.parallelize import decoder_layers
+from gearshift.layers import decoder_layers
 from gearshift_fsdp.placement import HybridShard
 from gearshift_fsdp.sharding import FSDPSharding
 

@@ -29,7 +29,7 @@ from gearshift.train import TrainArgs
 from .checkpoint import load_checkpoint, save_checkpoint
 from .offload import ZeroOffloader
 from .runtime import import_deepspeed, release
-from .sharding import ZeroSharding, update_bytes
+from .sharding import NO_COMPILE, ZeroSharding, update_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -67,6 +67,8 @@ class DeepSpeedTrainEngine(ModuleTrainEngine):
 
     def __init__(self, args: TrainArgs, options: "DeepSpeedTrainEngine.Options | None" = None) -> None:
         options = options or self.Options()
+        if options.compile:  # refused before DeepSpeed starts
+            raise ValueError(NO_COMPILE)
         gdist.ensure_process_group(options.device)
         device = torch.device(options.device) if options.device else gdist.default_device()
         sharding = ZeroSharding(

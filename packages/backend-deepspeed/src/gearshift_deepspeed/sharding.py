@@ -26,6 +26,11 @@ from .gather import PartitionGather
 from .runtime import import_deepspeed, initialize
 
 
+#: why `train.options.compile` is refused here
+NO_COMPILE = ("train.options.compile: the deepspeed trainer does not compile its layers (ZeRO-3 gathers each "
+              "module's weights in hooks inside a layer); use train.backend=fsdp to compile them")
+
+
 class ZeroSharding(Sharding):
     """ZeRO stage 1, 2 or 3 over the dp ranks; `engine` is DeepSpeed's, once `parallelize` made it."""
 
@@ -46,6 +51,9 @@ class ZeroSharding(Sharding):
         self.engine = None
         self._partitions: PartitionGather | None = None
         self._whole: dict[int, torch.Tensor] = {}  # id(param) -> the weight whole, inside `materialized`
+
+    def compile(self, model: nn.Module, mesh: MeshSpec) -> None:
+        raise ValueError(NO_COMPILE)
 
     def check(self, mesh: MeshSpec) -> None:
         if mesh.dp != mesh.world_size:
@@ -144,4 +152,4 @@ def update_bytes(partitions: Sequence[int], zero_stage: int, stepped: bool) -> i
     return moments + grads + max(partitions)
 
 
-__all__ = ["ZeroSharding", "update_bytes"]
+__all__ = ["NO_COMPILE", "ZeroSharding", "update_bytes"]

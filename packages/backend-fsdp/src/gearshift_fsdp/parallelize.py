@@ -11,6 +11,7 @@ over those ranks too).
 from __future__ import annotations
 
 import torch
+from gearshift.layers import decoder_layers
 from gearshift.mesh import MeshError, MeshSpec
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
@@ -39,16 +40,6 @@ def fsdp_mesh(world: DeviceMesh) -> DeviceMesh:
     if world["sp"].size() == 1:
         return world["dp"]
     return world["dp", "sp"]._flatten("dp_sp")
-
-
-def decoder_layers(model: nn.Module) -> list[nn.Module]:
-    """The blocks to shard one by one: the classes the model (or one it wraps) lists in `_no_split_modules`."""
-    names = {n for m in model.modules() for n in (getattr(m, "_no_split_modules", None) or ())}
-    layers = [m for m in model.modules() if type(m).__name__ in names]
-    if not layers:  # a model that names none: the longest ModuleList (the decoder stack, by convention)
-        lists = [m for m in model.modules() if isinstance(m, nn.ModuleList)]
-        layers = list(max(lists, key=len)) if lists else []
-    return layers
 
 
 def parallelize_causal_lm(

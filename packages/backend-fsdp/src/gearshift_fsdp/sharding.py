@@ -57,6 +57,12 @@ class FSDPSharding(Sharding):
     def plain_dp(self) -> bool:
         return self.mesh.tp == 1 and self.mesh.sp == 1
 
+    def compile(self, model: nn.Module, mesh: MeshSpec) -> None:
+        if not self.plain_dp:  # tp's DTensor layers and sp's attention collectives inside a layer: not measured
+            raise ValueError(f"train.options.compile compiles the layers of a data-parallel mesh; mesh {mesh} has "
+                             f"tp={mesh.tp}, sp={mesh.sp}: leave compile off there")
+        super().compile(model, mesh)
+
     def check(self, mesh: MeshSpec) -> None:
         if mesh.pp != 1:
             raise ValueError(f"the fsdp backend has no pipeline parallelism, but mesh {mesh} has "

@@ -62,6 +62,7 @@ class ModuleTrainEngine(TrainEngine):
                                                                        "suffixes (q_proj, v_proj), or all-linear")
         keep_grads: bool = option(False, "keep the last step's gradients after the optimizer step (they are freed "
                                          "otherwise, leaving their memory to the rollout engine)")
+        compile: bool = option(False, "torch.compile each decoder layer (gearshift.layers; the first step compiles)")
 
     def __init_subclass__(cls, **kwargs) -> None:
         super().__init_subclass__(**kwargs)
@@ -92,6 +93,8 @@ class ModuleTrainEngine(TrainEngine):
         #: with LoRA, the base weights under Hugging Face names, read merged with their adapters
         self.lora = LoraWeights(module, hf_prefix="lm." if args.value_head else "") if opts.lora_r else None
         self.model = sharding.parallelize(module, self.hf_model, self.device)
+        if opts.compile:  # after parallelize: hooks around a layer (FSDP's) stay outside the compiled code
+            sharding.compile(self.model, self.mesh)
         #: the parameters that train, under Hugging Face names; the frozen ones (LoRA's base)
         self.trained = dict(sharding.trained_parameters(self.model))
         self.frozen = [p for p in self.model.parameters() if not p.requires_grad]
@@ -323,8 +326,7 @@ class ModuleTrainEngine(TrainEngine):
         return list(storages.values())
 
     def state_bytes(self) -> dict[str, int]:
-        """Device bytes each tag holds now (state in host memory counts 0); before the first step, the
-        optimizer's as AdamW will hold it: two moments per trained parameter."""
+        """Device bytes each tag holds now (0 in host memory; before the first step, AdamW's moments to come)."""
         return {tag: sum(self._storage_sizes(tag)) for tag in TRAIN_TAGS}
 
     def reserve_host(self, tags: Sequence[str]) -> int:
@@ -385,9 +387,7 @@ class ModuleTrainEngine(TrainEngine):
             stash.close()
         self._local_views.clear()
         self.trained.clear()
-        self.frozen = []
-        self.lora = None
-        self.optimizer = None
+        self.frozen, self.lora, self.optimizer = [], None, None
         self.model = self.hf_model = None
 
     def need_onloaded(self, tags: Sequence[str], action: str) -> None:

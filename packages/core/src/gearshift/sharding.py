@@ -9,6 +9,7 @@ passes its parallelism in as data the same way):
 
 - `check(mesh)`: refuse a mesh it cannot run;
 - `parallelize(model, hf_model, device)`: wrap or shard the module; returns the module forward runs;
+- `compile(model, mesh)`: compile that module's decoder layers (`train.options.compile`), or refuse;
 - `trained_parameters(model)`: the parameters it trains, under Hugging Face names;
 - `placement(name, param, mesh)`, `local(tensor)`, `full_shape(name, param)`: each weight's placement,
   this rank's shard of it (or of its gradient or optimizer state), its whole shape;
@@ -31,6 +32,7 @@ from typing import Iterable, Sequence
 import torch
 from torch import nn
 
+from .layers import compile_layers
 from .mesh import MeshSpec, Placement
 from .policy import policy_forward
 from .shared_prefix import Layout
@@ -55,6 +57,11 @@ class Sharding:
         """The module forward and backward run: `model` (the causal LM, or a `ValueHeadModel` around
         `hf_model`) wrapped or sharded. Default: moved to `device`."""
         return model.to(device)
+
+    def compile(self, model: nn.Module, mesh: MeshSpec) -> None:
+        """Compile the module `parallelize` returned, for `train.options.compile`: each decoder layer's forward
+        (`gearshift.layers.compile_layers`). Raise `ValueError`, saying why, where this layout cannot."""
+        compile_layers(model)
 
     def trained_parameters(self, model: nn.Module) -> Iterable[tuple[str, nn.Parameter]]:
         """The parameters that train, under Hugging Face names, from the module `parallelize` returned."""

@@ -1,0 +1,55 @@
+"""The decoder layers of a Hugging Face causal LM, and compiling them one by one (`train.options.compile`).
+
+A trainer shards the layers one by one (the fsdp backend) and may compile them one by one: each layer's
+`forward` goes through `torch.compile` with dynamic shapes, so micro-batches of any rows and width reuse one
+compiled graph, and every layer, running the same code, shares it. What the compiler fuses is the work between
+the matrix products (normalisation, activations, rotary embeddings, residual additions), which otherwise reads
+and writes the activations once per operation. The module and its parameters keep their names (a checkpoint, a
+sync and an export see the same model); hooks around the layer (FSDP's gathering) stay outside the compiled
+code. The first micro-batch of each new kind of shape pays the compile.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+def decoder_layers(model: nn.Module) -> list[nn.Module]:
+    """The repeated blocks of `model`: the classes the model (or one it wraps) lists in `_no_split_modules`, or
+    where it lists none, the longest `nn.ModuleList` (the decoder stack, by convention)."""
+    names = {n for m in model.modules() for n in (getattr(m, "_no_split_modules", None) or ())}
+    layers = [m for m in model.modules() if type(m).__name__ in names]
+    if not layers:
+        lists = [m for m in model.modules() if isinstance(m, nn.ModuleList)]
+        layers = list(max(lists, key=len)) if lists else []
+    return layers
+
+
+#: graphs torch keeps for one compiled function before it gives up compiling it (torch's default is 8)
+RECOMPILE_LIMIT = 64
+
+
+def compile_layers(model: nn.Module) -> int:
+    """Compile the `forward` of each of `model`'s decoder layers in place (dynamic shapes); returns how many.
+    Raises `ValueError` for a model with no decoder layers to find."""
+    layers = decoder_layers(model)
+    if not layers:
+        raise ValueError(f"found no decoder layers to compile in {type(model).__name__}: it lists no "
+                         f"_no_split_modules and has no nn.ModuleList")
+    import torch._dynamo
+
+    # each kind of call is a graph of its own (with and without grad, a padding mask or none, one row or
+    # several), and every compiled layer of the process shares the layer class's count: past the limit,
+    # torch runs the layer uncompiled
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
+    for layer in layers:
+        if not getattr(layer.forward, "_gearshift_compiled", False):
+            layer.forward = torch.compile(layer.forward, dynamic=True)
+            layer.forward._gearshift_compiled = True
+    print(f"gearshift: {len(layers)} decoder layers ({type(layers[0]).__name__}) compile on their first call: "
+          f"the first train step and the first forward without gradients take longer", flush=True)
+    return len(layers)
+
+
+__all__ = ["RECOMPILE_LIMIT", "compile_layers", "decoder_layers"]
