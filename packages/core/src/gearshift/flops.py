@@ -25,6 +25,8 @@ from typing import Iterable
 
 import torch
 
+from .hf import routed_experts
+
 #: dense bf16 tensor TFLOP/s of one device (the vendors' figures, without sparsity), by a pattern of the name
 #: `torch.cuda.get_device_name()` gives; the first match wins
 PEAK_TFLOPS = (
@@ -85,8 +87,6 @@ class ModelFlops:
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(config)
         text = config.get_text_config() if hasattr(config, "get_text_config") else config
-        from .hf import routed_experts
-
         experts = routed_experts(config)
         active = getattr(text, "num_experts_per_tok", None) or experts
         head = model.get_output_embeddings()

@@ -14,6 +14,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from . import dist as gdist
+
 
 def decoder_layers(model: nn.Module) -> list[nn.Module]:
     """The repeated blocks of `model`: the classes the model (or one it wraps) lists in `_no_split_modules`, or
@@ -47,8 +49,9 @@ def compile_layers(model: nn.Module) -> int:
         if not getattr(layer.forward, "_gearshift_compiled", False):
             layer.forward = torch.compile(layer.forward, dynamic=True)
             layer.forward._gearshift_compiled = True
-    print(f"gearshift: {len(layers)} decoder layers ({type(layers[0]).__name__}) compile on their first call: "
-          f"the first train step and the first forward without gradients take longer", flush=True)
+    if gdist.rank() == 0:
+        print(f"gearshift: {len(layers)} decoder layers ({type(layers[0]).__name__}) compile on their first call: "
+              f"the first train step and the first forward without gradients take longer", flush=True)
     return len(layers)
 
 

@@ -66,8 +66,9 @@ def measure_train(names: list[str], model: str, batch_size: int = 16, seq_len: i
     `meshes` ('' for the default, 'sp=2', 'tp=2', ...) gets its rows, every rank given the whole batch;
     step_peak_mb is what one step allocates beyond what it started with (activations, gradients),
     measured in an extra step; train_tflops is the model FLOPs of a step (`gearshift.flops`) over its median
-    time, mfu their share of the device's peak where it is known. `dtype` is the weights' dtype (None: the engine's default); `profile` runs
-    one more step under torch.profiler and adds where its device time went (`gearshift.bench.kernels`).
+    time, mfu their share of the device's peak where it is known. `dtype` is the weights' dtype (None: the
+    engine's default); `profile` runs one more step under torch.profiler and adds where its device time went
+    (`gearshift.bench.kernels`).
     """
     from ..train import nll_loss
 
