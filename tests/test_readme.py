@@ -51,6 +51,7 @@ HOW: dict[str, tuple[str, str]] = {
     "run.prompts_per_step=16 rollout.n=16 rollout.max_tokens=20 agent.max_tokens=48 agent.max_turns=3 "
     "train.lr=1e-4": ("check", ""),
     "python tools/calc_warmup.py --answers shuffled --out DIR": ("help", ""),
+    "python tools/compile_matrix.py": ("help", ""),
     "gearshift train data.task=guess rollout.max_tokens=3 agent.max_turns=4 agent.max_tokens=32": ("check", ""),
     "gearshift bench step rollout.backend=hf train.backend=torch --steps 6": ("run", "% of the step"),
     "gearshift bench switch --train torch --rollout hf --model bench100m": ("run", "naive"),

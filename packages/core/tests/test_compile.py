@@ -49,3 +49,14 @@ def test_a_trainer_refuses_compile_where_it_cannot_compile(gearshift_model):
 
     with pytest.raises(ValueError, match="no decoder layers"):
         Sharding().compile(NoLayers(), MeshSpec())
+
+
+def test_compile_is_refused_for_a_model_type_whose_compiled_layers_were_not_found_equal(tmp_path):
+    """OPT's and Falcon's compiled layers gave other gradients (tools/compile_matrix.py): refused at build, before
+    anything is compiled, naming the types that were checked."""
+    from gearshift.layers import COMPILE_CHECKED
+    from gearshift.models import resolve_model
+
+    assert "qwen2" in COMPILE_CHECKED and not {"opt", "falcon"} & COMPILE_CHECKED
+    with pytest.raises(ValueError, match="model type 'falcon' are not checked.*qwen2"):
+        TorchTrainEngine.build(resolve_model("tiny-falcon"), compile=True)
