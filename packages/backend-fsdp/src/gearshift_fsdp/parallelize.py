@@ -63,10 +63,7 @@ def parallelize_causal_lm(
     runs the optimizer there. `gradient_divide_factor` replaces FSDP's mean over the mesh
     (sequence parallelism sums its ranks' gradients and averages over dp only).
     """
-    layers = decoder_layers(model)
-    if not layers:
-        raise ValueError(f"found no decoder layers to shard in {type(model).__name__}: it lists no "
-                         f"_no_split_modules and has no nn.ModuleList")
+    layers = decoder_layers(model, to="shard")
     options = dict(
         mesh=mesh,
         mp_policy=MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype),

@@ -25,7 +25,7 @@ from typing import Iterable
 
 import torch
 
-from .hf import routed_experts
+from .hf import meta_causal_lm, routed_experts
 
 #: dense bf16 tensor TFLOP/s of one device (the vendors' figures, without sparsity), by a pattern of the name
 #: `torch.cuda.get_device_name()` gives; the first match wins
@@ -56,7 +56,7 @@ def peak_flops(device: torch.device | str | None = None) -> float | None:
             raise ValueError(f"{PEAK_ENV}={env!r}: must be above 0")
         return value * 1e12
     device = torch.device(device) if device is not None else None
-    if device is not None and device.type != "cuda" or not torch.cuda.is_available():
+    if (device is not None and device.type != "cuda") or not torch.cuda.is_available():
         return None
     return peak_of_name(torch.cuda.get_device_name(device))
 
@@ -82,10 +82,7 @@ class ModelFlops:
     @classmethod
     def of_config(cls, config) -> "ModelFlops":
         """From a transformers config, through the model it builds on the meta device."""
-        from transformers import AutoModelForCausalLM
-
-        with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(config)
+        model = meta_causal_lm(config)
         text = config.get_text_config() if hasattr(config, "get_text_config") else config
         experts = routed_experts(config)
         active = getattr(text, "num_experts_per_tok", None) or experts
@@ -151,8 +148,7 @@ def engine_train_flops(engine, lengths: Iterable[int]) -> float | None:
                   f"perf/train_tflops and perf/mfu are left out")
             _UNCOUNTED.add(path)
         return None
-    return flops.train(lengths, head=not getattr(engine.args, "value_head", False),
-                       frozen=bool(getattr(engine, "lora_rank", 0)))
+    return flops.train(lengths, head=not engine.args.value_head, frozen=bool(engine.lora_rank))
 
 
 def add_flops(total: float | None, more: float | None) -> float | None:

@@ -70,15 +70,21 @@ def tied_aliases(model: nn.Module, prefix: str = "") -> dict[str, str]:
     return aliases
 
 
+def meta_causal_lm(config) -> nn.Module:
+    """The causal LM of transformers `config` on the meta device: names, shapes and modules, no weights."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(config)
+
+
 def weight_spec_of(model_path: str, mesh: MeshSpec, dtype: torch.dtype) -> WeightSpec:
     """The weights of the model at `model_path` as a rollout engine takes them: `named_parameters()` names
     (a tied head as an alias), full shapes, whole on every rank; read from its config on the meta device,
     so no weight is loaded to learn it."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig
 
-    config = AutoConfig.from_pretrained(model_path)
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
+    model = meta_causal_lm(AutoConfig.from_pretrained(model_path))
     placement = Placement.replicated(mesh)
     params = tuple(ParamSpec(name, tuple(p.shape), dtype, placement) for name, p in model.named_parameters())
     return WeightSpec(mesh, params, tied_aliases(model))

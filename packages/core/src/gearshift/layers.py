@@ -17,14 +17,18 @@ from torch import nn
 from . import dist as gdist
 
 
-def decoder_layers(model: nn.Module) -> list[nn.Module]:
+def decoder_layers(model: nn.Module, to: str | None = None) -> list[nn.Module]:
     """The repeated blocks of `model`: the classes the model (or one it wraps) lists in `_no_split_modules`, or
-    where it lists none, the longest `nn.ModuleList` (the decoder stack, by convention)."""
+    where it lists none, the longest `nn.ModuleList` (the decoder stack, by convention). With `to` (what they are
+    for: "shard", "compile"), finding none raises `ValueError` saying so."""
     names = {n for m in model.modules() for n in (getattr(m, "_no_split_modules", None) or ())}
     layers = [m for m in model.modules() if type(m).__name__ in names]
     if not layers:
         lists = [m for m in model.modules() if isinstance(m, nn.ModuleList)]
         layers = list(max(lists, key=len)) if lists else []
+    if not layers and to:
+        raise ValueError(f"found no decoder layers to {to} in {type(model).__name__}: it lists no "
+                         f"_no_split_modules and has no nn.ModuleList")
     return layers
 
 
@@ -55,10 +59,7 @@ def compile_layers(model: nn.Module, checked: bool = True) -> int:
     """Compile the `forward` of each of `model`'s decoder layers in place (dynamic shapes); returns how many.
     Raises `ValueError` for a model with no decoder layers to find, or (`checked`) whose model type is not one
     of `COMPILE_CHECKED`."""
-    layers = decoder_layers(model)
-    if not layers:
-        raise ValueError(f"found no decoder layers to compile in {type(model).__name__}: it lists no "
-                         f"_no_split_modules and has no nn.ModuleList")
+    layers = decoder_layers(model, to="compile")
     kind = model_type(model)
     if checked and kind not in COMPILE_CHECKED:
         raise ValueError(f"train.options.compile: compiled layers of model type {kind!r} are not checked against "

@@ -26,6 +26,8 @@ from typing import Iterable, Iterator
 
 import torch
 
+from .hf import meta_causal_lm
+
 
 class StoredLayoutError(ValueError):
     """A model whose in-memory weights transformers derives from the stored ones in a way gearshift cannot undo."""
@@ -129,14 +131,12 @@ def stored_layout(model_path: str | Path) -> StoredLayout:
 
 @lru_cache(maxsize=8)
 def _layout(model_path: str, files: tuple) -> StoredLayout:
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig
 
     shapes = _header_shapes(model_path)
     if not shapes:
         return StoredLayout()
-    config = AutoConfig.from_pretrained(model_path)
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
+    model = meta_causal_lm(AutoConfig.from_pretrained(model_path))
     renamings, converters = _conversions(model)
     if not renamings and not converters:
         return StoredLayout()
