@@ -229,8 +229,8 @@ class ModuleTrainEngine(TrainEngine):
 
     def step_bytes(self) -> tuple[int, int]:
         """Device bytes a train step allocates beyond its activations and the state held now: the gradients
-        (beside the activations), and the optimizer's update (after them: the gradients, Adam's moments
-        before the first step creates them, and one temporary the size of the trained weights)."""
+        (beside the activations), and the update (after them: the gradients, Adam's moments before the first
+        step makes them, one temporary the size of the trained weights: foreach AdamW's, counted for fused)."""
         trained = 0
         for p in self.trained.values():
             local = self.sharding.local(p)
