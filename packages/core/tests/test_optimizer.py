@@ -2,9 +2,10 @@
 
 from types import SimpleNamespace
 
+import pytest
 import torch
-from gearshift.sharding import Sharding, adamw_kernel
 import torch.distributed.tensor
+from gearshift.sharding import Sharding, adam_state_sizes, adamw_kernel
 
 
 def _on(device: str):
@@ -35,3 +36,19 @@ def test_the_default_optimizer_on_a_cpu_is_torchs_default_adamw():
     p.grad = torch.ones(3)
     opt.step()
     assert torch.all(p < 1)
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_adam_state_sizes_are_the_storages_adamw_makes_at_its_first_step(fused):
+    """What the memory plan reserves host memory for before the first step: one storage more or less and the
+    first offload outgrows the reserved buffer and pins a new one, the slow first switch it exists to prevent."""
+    params = [torch.nn.Parameter(torch.randn(3, 5, dtype=torch.bfloat16)), torch.nn.Parameter(torch.randn(7))]
+    opt = torch.optim.AdamW(params, lr=0.1, fused=fused)
+    for p in params:
+        p.grad = torch.ones_like(p)
+    opt.step()
+    # on a GPU foreach AdamW's step counts stay on the host (the plan counts device storages only): here, on a
+    # CPU, they are the 0-dim tensors of the unfused state
+    made = [t.untyped_storage().nbytes() for st in opt.state.values() for t in st.values()
+            if torch.is_tensor(t) and (fused or t.dim() > 0)]
+    assert sorted(made) == sorted(adam_state_sizes(params, fused=fused))

@@ -38,7 +38,7 @@ from .policy import ValueHeadModel, position_ids
 from .prompt_sharing import PromptSharing
 from .reshard import export_weights
 from .shared_prefix import Layout
-from .sharding import Sharding, refuse_moved_hooks
+from .sharding import Sharding, adam_state_sizes, refuse_moved_hooks
 from .tags import TRAIN_TAGS, check_tags
 from .train import LossFn, PolicyOutput, TrainArgs, TrainBatch, TrainEngine
 from .weights import Adapter, ParamSpec, WeightSpec
@@ -317,10 +317,10 @@ class ModuleTrainEngine(TrainEngine):
 
     def _storage_sizes(self, tag: str) -> list[int]:
         """Bytes of each device storage behind `tag` now; before the first step, the optimizer's as AdamW will
-        allocate them (two moments per trained parameter, each a storage of its own)."""
+        allocate them (`sharding.adam_state_sizes`: two moments per trained parameter, fused AdamW's steps)."""
         if tag == "optimizer" and not self.optimizer.state and self.device.type != "cpu":
             trained = [self.sharding.local(p) for group in self.optimizer.param_groups for p in group["params"]]
-            return [t.numel() * t.element_size() for t in trained for _ in range(2)]
+            return adam_state_sizes(trained, fused=bool(self.optimizer.defaults.get("fused")))
         storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
                     for t in self.state_tensors(tag) if t.device.type != "cpu"}
         return list(storages.values())

@@ -135,6 +135,13 @@ def adamw_kernel(params: Sequence[torch.Tensor]) -> dict:
     return {"fused": True} if fused else {}
 
 
+def adam_state_sizes(trained: Sequence[torch.Tensor], fused: bool) -> list[int]:
+    """Bytes of each device storage torch's AdamW allocates for `trained` at its first step: two moments each,
+    and with `fused` a float32 step count each beside them (foreach AdamW keeps its step counts on the host)."""
+    step = [4] if fused else []
+    return [n for t in trained for n in [t.numel() * t.element_size()] * 2 + step]
+
+
 #: the private hooks `ModuleTrainEngine` subclasses overrode before a `Sharding` was passed, and what replaced each
 MOVED_HOOKS = {
     "_check_mesh": "Sharding.check", "_parallelize": "Sharding.parallelize", "_placement": "Sharding.placement",
