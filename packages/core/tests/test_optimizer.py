@@ -5,6 +5,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.distributed.tensor
+from gearshift.module_train import ModuleTrainEngine
 from gearshift.sharding import Sharding, adam_state_sizes, adamw_kernel
 
 
@@ -52,3 +53,16 @@ def test_adam_state_sizes_are_the_storages_adamw_makes_at_its_first_step(fused):
     made = [t.untyped_storage().nbytes() for st in opt.state.values() for t in st.values()
             if torch.is_tensor(t) and (fused or t.dim() > 0)]
     assert sorted(made) == sorted(adam_state_sizes(params, fused=fused))
+
+
+@pytest.mark.parametrize("fused", [None, False, True])
+def test_the_plan_sizes_the_first_step_of_any_optimizer(fused):
+    """Before the first step on a GPU, `ModuleTrainEngine` sizes the optimizer's state from its parameters: with
+    torch's AdamW fused or not, and with an optimizer that has no `defaults` (DeepSpeed's ZeRO optimizers)."""
+    p = torch.nn.Parameter(torch.zeros(4, 2))
+    optimizer = SimpleNamespace(state={}, param_groups=[{"params": [p]}])
+    if fused is not None:
+        optimizer.defaults = {"fused": fused}
+    engine = SimpleNamespace(optimizer=optimizer, device=torch.device("cuda"), sharding=Sharding())
+    sizes = ModuleTrainEngine._storage_sizes(engine, "optimizer")
+    assert sizes == [32, 32, 4] if fused else sizes == [32, 32]

@@ -320,7 +320,7 @@ class ModuleTrainEngine(TrainEngine):
         allocate them (`sharding.adam_state_sizes`: two moments per trained parameter, fused AdamW's steps)."""
         if tag == "optimizer" and not self.optimizer.state and self.device.type != "cpu":
             trained = [self.sharding.local(p) for group in self.optimizer.param_groups for p in group["params"]]
-            return adam_state_sizes(trained, fused=bool(self.optimizer.defaults.get("fused")))
+            return adam_state_sizes(trained, fused=bool(getattr(self.optimizer, "defaults", {}).get("fused")))
         storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
                     for t in self.state_tensors(tag) if t.device.type != "cpu"}
         return list(storages.values())
