@@ -88,6 +88,7 @@ HOW: dict[str, tuple[str, str]] = {
     "bash tools/gpu/deepspeed_h200.sh conformance": ("gpu", "tools/gpu/deepspeed_h200.sh"),
     "tools/gpu/split_ray.sh": ("gpu", "tools/gpu/split_ray.sh"),
     "bash tools/gpu/h200_realistic.sh build": ("gpu", "tools/gpu/h200_realistic.sh"),
+    "bash tools/gpu/train_phase.sh": ("gpu", "tools/gpu/train_phase.sh"),
     "bash tools/gpu/h200_realistic.sh profile": ("gpu", "tools/gpu/h200_realistic.sh"),
     "bash tools/gpu/h200_realistic.sh moe": ("gpu", "tools/gpu/h200_realistic.sh"),
     "CELLS=7b-256-fsdp-auto,0.5b-1024-fsdp-forced STEPS=20 bash tools/gpu/h200_realistic.sh scenario": (
