@@ -254,7 +254,7 @@ def run(args) -> int:
         keep = ("step_s", "rollout_s", "old_logprobs_s", "train_s", "switch_s", "kv_wake_s", "peak_gb",
                 "micro_batches", "tokens_per_s", "train_tflops", "mfu")
         result = side_result("gearshift", ends, rows, args.skip, code, wall, args.steps, {
-            "metrics": {k: phases[k] for k in keep}, "per_step": rows,
+            "metrics": {k: phases[k] for k in keep}, "overrides": args.set, "per_step": rows,
             "log_tail": (out / "gearshift.log").read_text()[-3000:] if code else ""})
         (out / "gearshift.json").write_text(json.dumps(result, indent=1))
         print(line(args.shape, merge(result, None)), flush=True)

@@ -12,6 +12,9 @@
 #                                            one side a call where both would not fit in a call's 10 minutes
 #   bash tools/gpu/trl_h200.sh summary       both sides of every shape run on this machine, into one JSON
 # More options of tools/gpu/trl_h200.py run in OPTS (e.g. OPTS="--trl-micro-batch 16 --trl-sleep off").
+# TAG names a variant of gearshift's side, kept apart (folder and files <shape>-<TAG>) and set beside the TRL side
+# that already ran untagged on this machine:
+#   TAG=compiled SIDE=gearshift OPTS="--set train.options.compile=true" bash tools/gpu/trl_h200.sh 7b
 # Output under $OUT: each side's JSON (every step), the job, both logs, summary.json.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -36,10 +39,16 @@ case "$what" in
       python3 -c "import sys, time; from gearshift.models import resolve_model; t = time.perf_counter(); p = resolve_model(sys.argv[1]); print(sys.argv[1], f'{time.perf_counter() - t:.1f} s', p)" "$m" 2>&1 | quiet | tail -1
     done ;;
   0.5b|1.5b|7b)
+    name=$what${TAG:+-$TAG}
+    mkdir -p "$keep/$name"
+    # a tagged gearshift side is compared with the TRL side of the untagged folder, when that one ran here
+    if [ -n "${TAG:-}" ] && [ "${SIDE:-both}" = gearshift ] && [ -f "$keep/$what/trl.json" ]; then
+      cp "$keep/$what/trl.json" "$keep/$name/trl.json"
+    fi
     timeout "${LIMIT:-570}" python3 tools/gpu/trl_h200.py run --shape "$what" --steps "${STEPS:-10}" \
-      --side "${SIDE:-both}" --budget-s "${BUDGET:-540}" --out "$keep/$what" ${OPTS:-} 2>&1 | quiet | tail -20
+      --side "${SIDE:-both}" --budget-s "${BUDGET:-540}" --out "$keep/$name" ${OPTS:-} 2>&1 | quiet | tail -20
     for f in gearshift.json trl.json summary.json job-0.json gearshift.log trl.log; do
-      [ -f "$keep/$what/$f" ] && cp "$keep/$what/$f" "$out/$what-$f"
+      [ -f "$keep/$name/$f" ] && cp "$keep/$name/$f" "$out/$name-$f"
     done ;;
   summary)
     python3 tools/gpu/trl_h200.py summary "$keep"/* --json "$out/trl-h200.json" ;;
