@@ -65,4 +65,4 @@ def test_the_plan_sizes_the_first_step_of_any_optimizer(fused):
         optimizer.defaults = {"fused": fused}
     engine = SimpleNamespace(optimizer=optimizer, device=torch.device("cuda"), sharding=Sharding())
     sizes = ModuleTrainEngine._storage_sizes(engine, "optimizer")
-    assert sizes == [32, 32, 4] if fused else sizes == [32, 32]
+    assert sizes == ([32, 32, 4] if fused else [32, 32])
